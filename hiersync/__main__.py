@@ -1,0 +1,3 @@
+from hiersync.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,391 @@
+"""Two-level collectives: mechanism only, no policy.
+
+:class:`HierComm` averages a flat tensor over the world as
+
+1. reduce-scatter inside the node (each rank gets a 1/L shard of the node's sum),
+2. all-reduce of that shard on the rail (all L rails run concurrently, so every NIC carries
+   1/L of the bucket),
+3. all-gather inside the node.
+
+Sizes not divisible by L are padded. Uneven nodes (different L) fall back to reduce to a
+leader per node -> all-reduce among the leaders -> broadcast inside the node. The tensor
+is divided by the world size *before* any reduction, so fp16 sums cannot overflow where
+the average would not (the same order as DDP's default hook).
+
+Everything is asynchronous and returns a :class:`torch.futures.Future`. Legs 2 and 3 are
+launched from the completion callback of the previous leg, which on gloo runs on a
+backend worker thread, so completion order may differ between ranks. A
+:class:`Sequencer` per group makes every group see its collectives in submission order on
+every rank; the late all-gathers use a second intra-node group so they never interleave
+with the reduce-scatters that the hook thread issues on the first one.
+
+Example::
+
+    >>> comm = HierComm(Topology.detect().build_groups())
+    >>> avg = comm.allreduce(torch.ones(10)).wait()          # == flat all-reduce / world
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from .stats import INTER, INTRA, Stats
+from .topology import Groups
+
+__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed"]
+
+
+class HierSyncError(RuntimeError):
+    """A hiersync collective failed (peer died, timeout, ...). The message names the phase."""
+
+
+def _new_future(device: torch.device) -> torch.futures.Future:
+    # A CUDA future records events on the current streams when its value is set, so the
+    # consumer (DDP) waits on the right streams; a CPU future needs no devices.
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def completed(value, device: torch.device | None = None) -> torch.futures.Future:
+    """A future that is already done with ``value``."""
+    fut = _new_future(device or torch.device("cpu"))
+    fut.set_result(value)
+    return fut
+
+
+def _forward(src: torch.futures.Future, dst: torch.futures.Future, phase: str) -> None:
+    try:
+        dst.set_result(src.value())
+    except Exception as e:  # noqa: BLE001 - re-raised in the consumer with context
+        dst.set_exception(_wrap(e, phase))
+
+
+def _wrap(e: BaseException, phase: str) -> BaseException:
+    if isinstance(e, HierSyncError):
+        return e
+    err = HierSyncError(f"hiersync {phase} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+class Sequencer:
+    """Issue collectives on one group in submission order, whatever order inputs complete in.
+
+    ``submit(ready, launch)`` calls ``launch()`` once ``ready`` is done *and* every earlier
+    submission has been launched. ``launch`` issues one async collective and returns its
+    future; ``submit`` returns a future of that collective's result.
+    """
+
+    def __init__(self) -> None:
+        self._tail: torch.futures.Future = completed(None)
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        ready: torch.futures.Future,
+        launch: Callable[[], torch.futures.Future],
+        device: torch.device,
+        phase: str,
+    ) -> torch.futures.Future:
+        out = _new_future(device)
+        issued: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            prev, self._tail = self._tail, issued
+
+        def go(_: torch.futures.Future) -> None:
+            try:
+                ready.value()  # re-raise the upstream failure, if any
+                work = launch()
+            except Exception as e:  # noqa: BLE001
+                issued.set_result(None)
+                out.set_exception(_wrap(e, phase))
+                return
+            issued.set_result(None)
+            work.add_done_callback(lambda w: _forward(w, out, phase))
+
+        torch.futures.collect_all([prev, ready]).add_done_callback(go)
+        return out
+
+
+# torch 2.13 renamed reduce_scatter_tensor; keep working on older releases (>= 2.4).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Waiter:
+    """One daemon thread that turns ``Work`` objects without ``get_future()`` into futures.
+
+    gloo's reduce-scatter work does not implement ``get_future()`` (torch 2.13). Works are
+    waited in submission order, which is the order a group completes them in anyway.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: dist.Work, value) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hiersync-waiter", daemon=True)
+                self._thread.start()
+        self._queue.put((work, value, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            work, value, fut = self._queue.get()
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - delivered to the consumer
+                fut.set_exception(e)
+            else:
+                fut.set_result(value)
+
+
+_WAITER = _Waiter()
+
+
+def _async(work: dist.Work | None, value=None) -> torch.futures.Future:
+    """The future of an async collective; ``value`` is its result where the backend has none."""
+    assert work is not None
+    try:
+        return work.get_future()
+    except RuntimeError as e:
+        if "not implemented" not in str(e):
+            raise
+        return _WAITER.submit(work, [value])
+
+
+class HierComm:
+    """Two-level averaging over a :class:`~hiersync.topology.Groups`. Mechanism only.
+
+    Every public method returns a future and records collectives and bytes in ``stats``.
+    ``label`` is a callable returning a short context (e.g. ``"step 12"``) put into errors.
+    """
+
+    def __init__(self, groups: Groups, stats: Stats | None = None, label: Callable[[], str] = lambda: "") -> None:
+        self.groups = groups
+        self.topology = groups.topology
+        self.stats = stats if stats is not None else Stats()
+        self.label = label
+        self.world_size = self.topology.world_size
+        self._seq_rail = Sequencer()
+        self._seq_late = Sequencer()
+
+    # ------------------------------------------------------------- helpers
+    def _phase(self, what: str) -> str:
+        ctx = self.label()
+        return f"{what} ({ctx}, rank {self.groups.rank})" if ctx else f"{what} (rank {self.groups.rank})"
+
+    @staticmethod
+    def _chain(fut: torch.futures.Future, phase: str, device: torch.device) -> torch.futures.Future:
+        out = _new_future(device)
+        fut.add_done_callback(lambda f: _forward(f, out, phase))
+        return out
+
+    # ------------------------------------------------------------- exact (period 1)
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Average ``tensor`` (1-D) over the world; the future's value is the averaged tensor.
+
+        ``tensor`` may be modified in place (it is divided by the world size).
+        """
+        g = self.groups
+        L, N = g.node_size, self.topology.num_nodes
+        if self.world_size == 1:
+            return completed(tensor, tensor.device)
+        if not self.topology.even:
+            return self._allreduce_uneven(tensor)
+        if L == 1:
+            return self._flat(tensor, g.rail, INTER, "exact all-reduce over nodes")
+        if N == 1:
+            return self._flat(tensor, g.intra, INTRA, "exact all-reduce inside the node")
+        return self._allreduce_two_level(tensor, L)
+
+    def _flat(self, tensor: torch.Tensor, group, level: str, what: str) -> torch.futures.Future:
+        size = dist.get_world_size(group)
+        tensor.div_(size)
+        with record_function(f"hiersync/{level}_allreduce"):
+            self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
+            try:
+                fut = _async(dist.all_reduce(tensor, group=group, async_op=True))
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, self._phase(what)) from e
+        return self._chain(fut.then(lambda f: f.value()[0]), self._phase(what), tensor.device)
+
+    def _allreduce_two_level(self, tensor: torch.Tensor, L: int) -> torch.futures.Future:
+        g = self.groups
+        n = tensor.numel()
+        shard_len = -(-n // L)
+        if shard_len * L == n:
+            flat = tensor
+        else:
+            flat = torch.zeros(shard_len * L, dtype=tensor.dtype, device=tensor.device)
+            flat[:n].copy_(tensor)
+        flat.div_(self.world_size)
+        shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
+        esize = tensor.element_size()
+        N = self.topology.num_nodes
+        phase_rs = self._phase("intra reduce-scatter")
+        with record_function("hiersync/intra_reduce_scatter"):
+            self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
+            try:
+                rs = _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, phase_rs) from e
+        rs = self._chain(rs, phase_rs, tensor.device)
+
+        def rail_leg() -> torch.futures.Future:
+            with record_function("hiersync/inter_allreduce"):
+                return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+
+        def gather_leg() -> torch.futures.Future:
+            with record_function("hiersync/intra_all_gather"):
+                return _async(_all_gather(flat, shard, group=g.intra_late, async_op=True))
+
+        self.stats.record(INTER, "all_reduce", N, shard_len * esize)
+        ar = self._seq_rail.submit(rs, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
+        self.stats.record(INTRA, "all_gather", L, flat.numel() * esize)
+        ag = self._seq_late.submit(ar, gather_leg, tensor.device, self._phase("intra all-gather"))
+        return ag.then(lambda _: flat if flat is tensor else flat[:n])
+
+    def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
+        g = self.groups
+        topo = self.topology
+        node = topo.node_ranks(g.rank)
+        leader = node[0]
+        L = len(node)
+        nbytes = tensor.numel() * tensor.element_size()
+        tensor.div_(self.world_size)
+        if L > 1:
+            phase = self._phase("intra reduce to the node leader")
+            with record_function("hiersync/intra_reduce"):
+                self.stats.record(INTRA, "reduce", L, nbytes)
+                try:
+                    red = _async(dist.reduce(tensor, dst=leader, group=g.intra, async_op=True))
+                except Exception as e:  # noqa: BLE001
+                    raise _wrap(e, phase) from e
+            red = self._chain(red, phase, tensor.device)
+        else:
+            red = completed(None, tensor.device)
+        if g.is_leader and topo.num_nodes > 1:
+            def leaders_leg() -> torch.futures.Future:
+                with record_function("hiersync/inter_allreduce"):
+                    return _async(dist.all_reduce(tensor, group=g.rail, async_op=True))
+
+            self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
+            red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
+        if L > 1:
+            def bcast_leg() -> torch.futures.Future:
+                with record_function("hiersync/intra_broadcast"):
+                    return _async(dist.broadcast(tensor, src=leader, group=g.intra_late, async_op=True))
+
+            self.stats.record(INTRA, "broadcast", L, nbytes)
+            red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
+        return red.then(lambda _: tensor)
+
+    def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Average ``tensor`` with one all-reduce over the world (what DDP's default does)."""
+        if self.world_size == 1:
+            return completed(tensor, tensor.device)
+        level = INTER if self.topology.num_nodes > 1 else INTRA
+        return self._flat(tensor, None, level, "flat all-reduce over the world")
+
+    # ------------------------------------------------------------- local steps
+    def intra_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Average ``tensor`` inside the node only (modified in place)."""
+        if self.groups.node_size == 1:
+            return completed(tensor, tensor.device)
+        return self._flat(tensor, self.groups.intra, INTRA, "intra all-reduce")
+
+    # ------------------------------------------------------------- parameters
+    def average_across_nodes(
+        self, flat: torch.Tensor, weight_by_node_size: bool = True
+    ) -> torch.futures.Future:
+        """Average a node-identical 1-D tensor across nodes; the future holds the result.
+
+        Every rank of a node must pass the same values (intra replicas are identical), so
+        no reduce-scatter is needed: each rank all-reduces its 1/L shard on its rail and
+        the node all-gathers the shards. ``flat`` is overwritten with the result. On uneven
+        nodes each node is weighted by its number of ranks (= the mean over all ranks).
+
+        The rail all-reduce is issued immediately from the calling thread; callers must
+        issue these calls in the same order on every rank.
+        """
+        g = self.groups
+        topo = self.topology
+        N = topo.num_nodes
+        if N == 1:
+            return completed(flat, flat.device)
+        esize = flat.element_size()
+        if not topo.even:
+            return self._average_uneven(flat)
+        L = g.node_size
+        n = flat.numel()
+        shard_len = -(-n // L)
+        if shard_len * L != n:
+            padded = torch.zeros(shard_len * L, dtype=flat.dtype, device=flat.device)
+            padded[:n].copy_(flat)
+        else:
+            padded = flat
+        lo = g.local_rank * shard_len
+        shard = padded[lo : lo + shard_len].clone()
+        shard.div_(N)
+        phase = self._phase("inter parameter all-reduce on the rail")
+        with record_function("hiersync/inter_param_allreduce"):
+            self.stats.record(INTER, "all_reduce", N, shard_len * esize)
+            try:
+                ar = _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, phase) from e
+        ar = self._chain(ar, phase, flat.device)
+        if L == 1:
+            return ar.then(lambda _: flat.copy_(shard))
+
+        def gather_leg() -> torch.futures.Future:
+            with record_function("hiersync/intra_param_all_gather"):
+                return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
+
+        self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
+        ag = self._seq_late.submit(ar, gather_leg, flat.device, self._phase("intra parameter all-gather"))
+        if padded is flat:
+            return ag.then(lambda _: flat)
+        return ag.then(lambda _: flat.copy_(padded[:n]))
+
+    def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
+        g = self.groups
+        topo = self.topology
+        node = topo.node_ranks(g.rank)
+        L = len(node)
+        nbytes = flat.numel() * flat.element_size()
+        ready = completed(None, flat.device)
+        if g.is_leader:
+            flat.mul_(L / self.world_size)
+            phase = self._phase("inter parameter all-reduce among leaders")
+            with record_function("hiersync/inter_param_allreduce"):
+                self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
+                try:
+                    ready = self._chain(_async(dist.all_reduce(flat, group=g.rail, async_op=True)), phase, flat.device)
+                except Exception as e:  # noqa: BLE001
+                    raise _wrap(e, phase) from e
+        if L > 1:
+            def bcast_leg() -> torch.futures.Future:
+                with record_function("hiersync/intra_param_broadcast"):
+                    return _async(dist.broadcast(flat, src=node[0], group=g.intra_late, async_op=True))
+
+            self.stats.record(INTRA, "broadcast", L, nbytes)
+            ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
+        return ready.then(lambda _: flat)
+
+    def barrier_free_flush(self) -> None:
+        """Wait until every launched leg has been issued (used before tearing down)."""
+        self._seq_rail._tail.wait()
+        self._seq_late._tail.wait()

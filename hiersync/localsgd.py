@@ -1,0 +1,240 @@
+"""Cross-node parameter averaging for hierarchical local SGD: anchor, compression, outer step.
+
+Between inter-node syncs every node trains on its own (gradients averaged inside the node
+only), so the nodes' replicas drift apart. Averaging *gradients* once every k steps cannot
+reconcile replicas that have already drifted; averaging *parameters* can (Lin et al.,
+"Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020; torchft's LocalSGD). This module
+does that averaging for a list of parameters, on top of
+:meth:`hiersync.collectives.HierComm.average_across_nodes` (rail-sharded: each NIC carries
+1/L of the model).
+
+Options, all off by default (plain averaging):
+
+* ``compress=torch.bfloat16|torch.float16``: the inter-node leg carries the *delta*
+  ``x - anchor`` in 16 bits, where the fp32 *anchor* is the result of the previous sync
+  (identical on every rank). Raw parameters are never rounded to 16 bits: the error is
+  bounded by the rounding of the (small) delta, not of the parameter.
+* ``outer_lr``/``outer_momentum``: DiLoCo's outer Nesterov step (Douillard et al. 2023) on
+  the averaged pseudo-gradient ``g = anchor - average``: ``m = mu*m + g``,
+  ``x = anchor - lr*(g + mu*m)``. ``outer_lr=1, outer_momentum=0`` is plain averaging.
+
+The averager keeps fp32 state keyed by parameter *position* in a registry filled in the
+order the hook first sees parameters (DDP's initial bucket order, which is deterministic
+for a given model and DDP options), never by ``bucket.index()``.
+
+Example::
+
+    >>> avg = ParamAverager(comm, compress=torch.bfloat16)
+    >>> avg.register(list(model.parameters())); avg.capture_anchor(avg.params)
+    >>> avg.launch(avg.params).wait()       # every rank now holds the same parameters
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .collectives import HierComm
+
+__all__ = ["ParamAverager", "Pending"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    """An overlapped sync in flight (or finished): ``params`` get ``target - snapshot`` added."""
+
+    indices: list[int]
+    snapshot: torch.Tensor | None
+    future: torch.futures.Future | None
+    correction: torch.Tensor | None = None
+
+    def resolve(self) -> torch.Tensor:
+        """Wait for the transfer and return the fp32 correction to add to the parameters."""
+        if self.correction is None:
+            assert self.future is not None and self.snapshot is not None
+            target = self.future.wait()
+            self.correction = target.sub_(self.snapshot)
+            self.snapshot = None
+            self.future = None
+        return self.correction
+
+
+class ParamAverager:
+    """Average parameters across nodes, with optional delta compression and outer Nesterov."""
+
+    def __init__(
+        self,
+        comm: HierComm,
+        compress: torch.dtype | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.0,
+    ) -> None:
+        self.comm = comm
+        self.compress = compress
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.params: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self.anchor: dict[int, torch.Tensor] = {}
+        self.momentum: dict[int, torch.Tensor] = {}
+        self._pending_load: dict[str, list] = {}
+
+    @property
+    def needs_anchor(self) -> bool:
+        return self.compress is not None or self.outer_lr is not None
+
+    # ------------------------------------------------------------- registry
+    def register(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """Return the registry positions of ``params``, adding unseen ones at the end."""
+        out = []
+        for p in params:
+            i = self._index.get(id(p))
+            if i is None:
+                i = len(self.params)
+                self._index[id(p)] = i
+                self.params.append(p)
+                self._bind_loaded(i, p)
+            out.append(i)
+        return out
+
+    def index_of(self, p: torch.Tensor) -> int | None:
+        return self._index.get(id(p))
+
+    def _bind_loaded(self, i: int, p: torch.Tensor) -> None:
+        for key, store in (("anchor", self.anchor), ("momentum", self.momentum)):
+            saved = self._pending_load.get(key)
+            if saved is None or i >= len(saved) or saved[i] is None:
+                continue
+            t = saved[i]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"hiersync state_dict {key}[{i}] has shape {tuple(t.shape)} but the model's parameter "
+                    f"{i} (in DDP's initial bucket order) has shape {tuple(p.shape)}: the checkpoint is "
+                    "from a different model"
+                )
+            store[i] = t.to(device=p.device, dtype=torch.float32)
+
+    def capture_anchor(self, params: Sequence[torch.Tensor]) -> None:
+        """Remember the current values as the anchor, for parameters that have none yet."""
+        if not self.needs_anchor:
+            return
+        for i in self.register(params):
+            if i not in self.anchor:
+                self.anchor[i] = self.params[i].detach().float().clone()
+
+    # ------------------------------------------------------------- averaging
+    def _flat(self, indices: list[int]) -> torch.Tensor:
+        return torch.cat([self.params[i].detach().reshape(-1).float() for i in indices])
+
+    def _flat_anchor(self, indices: list[int]) -> torch.Tensor:
+        missing = [i for i in indices if i not in self.anchor]
+        if missing:
+            raise RuntimeError(
+                f"hiersync has no anchor for parameters {missing[:5]}: the anchor is captured on the first "
+                "post-warmup step; was a checkpoint loaded without its hiersync state_dict?"
+            )
+        return torch.cat([self.anchor[i].reshape(-1) for i in indices])
+
+    def launch(self, params: Sequence[torch.Tensor]) -> torch.futures.Future:
+        """Start averaging ``params`` across nodes; the future's value is the fp32 target.
+
+        The target is the new value every rank will hold: the plain average, or the outer
+        optimizer's step from the anchor. Anchor and momentum are updated when the transfer
+        completes. Nothing is written to the parameters: see :meth:`write`.
+        """
+        indices = self.register(params)
+        x = self._flat(indices)
+        if self.compress is None:
+            payload = x
+            anchor = self._flat_anchor(indices) if self.outer_lr is not None else None
+        else:
+            anchor = self._flat_anchor(indices)
+            payload = (x - anchor).to(self.compress)
+        fut = self.comm.average_across_nodes(payload)
+        return fut.then(lambda f: self._finish(indices, f.value(), anchor))
+
+    def _finish(self, indices: list[int], avg: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+        if self.compress is not None:
+            assert anchor is not None
+            avg = anchor + avg.float()
+        if self.outer_lr is not None:
+            assert anchor is not None
+            g = anchor - avg
+            if self.outer_momentum:
+                m = self._flat_momentum(indices)
+                m.mul_(self.outer_momentum).add_(g)
+                self._scatter(self.momentum, indices, m)
+                g = g + self.outer_momentum * m
+            target = anchor - self.outer_lr * g
+        else:
+            target = avg
+        if self.needs_anchor:
+            self._scatter(self.anchor, indices, target)
+        return target
+
+    def _flat_momentum(self, indices: list[int]) -> torch.Tensor:
+        parts = []
+        for i in indices:
+            m = self.momentum.get(i)
+            parts.append(m.reshape(-1) if m is not None else torch.zeros(self.params[i].numel(), device=self.params[i].device))
+        return torch.cat(parts)
+
+    def _scatter(self, store: dict[int, torch.Tensor], indices: list[int], flat: torch.Tensor) -> None:
+        offset = 0
+        for i in indices:
+            p = self.params[i]
+            store[i] = flat[offset : offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+
+    @torch.no_grad()
+    def write(self, indices: list[int], flat: torch.Tensor, add: bool = False) -> None:
+        """Copy (or add, for overlap corrections) a flat fp32 vector into the parameters."""
+        offset = 0
+        for i in indices:
+            p = self.params[i]
+            chunk = flat[offset : offset + p.numel()].view(p.shape)
+            if add and p.dtype == torch.float32:
+                p.add_(chunk)
+            elif add:
+                p.copy_(p.float() + chunk)
+            else:
+                p.copy_(chunk)
+            offset += p.numel()
+
+    def chunks(self, max_bytes: int) -> list[list[int]]:
+        """Registry positions grouped into chunks of at most ``max_bytes`` of fp32 (>= 1 param)."""
+        out: list[list[int]] = []
+        cur: list[int] = []
+        size = 0
+        for i, p in enumerate(self.params):
+            b = p.numel() * 4
+            if cur and size + b > max_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += b
+        if cur:
+            out.append(cur)
+        return out
+
+    # ------------------------------------------------------------- checkpoint
+    def state(self) -> dict:
+        n = len(self.params)
+        return {
+            "anchor": [self.anchor[i].cpu() if i in self.anchor else None for i in range(n)] if self.anchor else None,
+            "momentum": [self.momentum[i].cpu() if i in self.momentum else None for i in range(n)]
+            if self.momentum
+            else None,
+        }
+
+    def load(self, state: dict) -> None:
+        self.anchor.clear()
+        self.momentum.clear()
+        self._pending_load = {k: v for k, v in state.items() if v is not None}
+        for i, p in enumerate(self.params):
+            self._bind_loaded(i, p)

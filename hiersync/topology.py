@@ -1,0 +1,267 @@
+"""Who is on which node, and the process groups that follow from it.
+
+Vocabulary (used everywhere in hiersync):
+
+* *node*: a host. *L*: ranks per node. *N*: number of nodes.
+* *local rank*: index of a rank inside its node (ranks sorted by global rank).
+* *intra group*: the ranks of one node.
+* *rail*: the ranks with the same local rank across nodes (local rank 0 of every node,
+  local rank 1 of every node, ...). On a real cluster rail r usually maps to NIC r.
+
+Ranks of a node need not be contiguous (``[0, 1, 0, 1]`` is two nodes of two ranks)
+and nodes may hold different numbers of ranks (*uneven*: ``[0, 0, 0, 1]``).
+
+Detection (:meth:`Topology.detect`) groups ranks by host identity: one
+``all_gather_object`` of ``(hostname, GROUP_RANK)``, where ``GROUP_RANK`` is set by
+torchrun for each agent, so one torchrun per emulated node is enough to make nodes on a
+single host. ``HIERSYNC_NODE_IDS="0,0,1,1"`` (one node id per global rank) overrides
+detection entirely. Note that ``ip netns exec`` keeps the hostname.
+
+Example::
+
+    >>> topo = Topology.from_node_ids([0, 1, 0, 1])
+    >>> topo.nodes, topo.ranks_per_node, topo.local_rank(2), topo.rail(1)
+    ((0, 2), (1, 3)), 2, 1, (1, 3)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "parse_node_ids"]
+
+logger = logging.getLogger(__name__)
+
+ENV_NODE_IDS = "HIERSYNC_NODE_IDS"
+
+
+def parse_node_ids(text: str, world_size: int | None = None) -> list[int]:
+    """Parse ``"0,0,1,1"`` (one node id per global rank) into a list of ints."""
+    parts = [p.strip() for p in text.split(",")]
+    ids: list[int] = []
+    for i, p in enumerate(parts):
+        try:
+            ids.append(int(p))
+        except ValueError:
+            raise ValueError(
+                f"{ENV_NODE_IDS}={text!r}: entry {i} ({p!r}) is not an integer; "
+                f"expected one integer node id per global rank, e.g. '0,0,1,1'"
+            ) from None
+    if world_size is not None and len(ids) != world_size:
+        raise ValueError(
+            f"{ENV_NODE_IDS}={text!r} has {len(ids)} entries but the world has {world_size} ranks; "
+            f"give exactly one node id per global rank"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Assignment of global ranks to nodes. Pure data: building it needs no process group."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    """Global ranks of each node, each tuple sorted; nodes ordered by their lowest rank."""
+    _node_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _local: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ranks = sorted(r for node in self.nodes for r in node)
+        if not self.nodes or any(len(n) == 0 for n in self.nodes):
+            raise ValueError(f"every node needs at least one rank, got nodes={self.nodes!r}")
+        if ranks != list(range(len(ranks))):
+            raise ValueError(
+                f"nodes={self.nodes!r} must cover global ranks 0..{len(ranks) - 1} exactly once each"
+            )
+        node_of = [0] * len(ranks)
+        local = [0] * len(ranks)
+        for n, members in enumerate(self.nodes):
+            for i, r in enumerate(members):
+                node_of[r] = n
+                local[r] = i
+        object.__setattr__(self, "_node_of", tuple(node_of))
+        object.__setattr__(self, "_local", tuple(local))
+
+    # ----------------------------------------------------------------- builders
+    @classmethod
+    def from_node_ids(cls, node_ids: Sequence[int]) -> "Topology":
+        """Build from one node id per global rank, e.g. ``[0, 0, 1, 1]``.
+
+        Node ids are arbitrary hashable integers; nodes are renumbered by their lowest rank.
+        """
+        if isinstance(node_ids, (str, bytes)) or not hasattr(node_ids, "__len__"):
+            raise TypeError(f"node_ids must be a sequence of ints (one per global rank), got {node_ids!r}")
+        if len(node_ids) == 0:
+            raise ValueError("node_ids is empty: give one node id per global rank, e.g. [0, 0, 1, 1]")
+        groups: dict[int, list[int]] = {}
+        for rank, nid in enumerate(node_ids):
+            if isinstance(nid, bool) or not isinstance(nid, int):
+                raise ValueError(
+                    f"node_ids[{rank}]={nid!r} is not an integer; give one integer node id per global rank"
+                )
+            groups.setdefault(nid, []).append(rank)
+        return cls(nodes=tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: g[0])))
+
+    @classmethod
+    def from_keys(cls, keys: Sequence[object]) -> "Topology":
+        """Build from one host key per global rank (ranks with equal keys share a node)."""
+        ids: dict[object, int] = {}
+        return cls.from_node_ids([ids.setdefault(k, len(ids)) for k in keys])
+
+    @classmethod
+    def detect(cls, process_group: "dist.ProcessGroup | None" = None) -> "Topology":
+        """Detect the topology of ``process_group`` (default: the world). Collective.
+
+        ``HIERSYNC_NODE_IDS`` overrides detection; otherwise ranks are grouped by
+        ``(hostname, GROUP_RANK)`` gathered from every rank.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Topology.detect() needs an initialized process group: call "
+                "torch.distributed.init_process_group() first (or use Topology.from_node_ids)"
+            )
+        world = dist.get_world_size(process_group)
+        env = os.environ.get(ENV_NODE_IDS)
+        if env:
+            topo = cls.from_node_ids(parse_node_ids(env, world))
+            logger.debug("topology from %s=%s: %s", ENV_NODE_IDS, env, topo)
+            return topo
+        key = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
+        keys: list[object] = [None] * world
+        dist.all_gather_object(keys, key, group=process_group)
+        topo = cls.from_keys(keys)
+        logger.debug("topology from host identity %s: %s", keys, topo)
+        return topo
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def world_size(self) -> int:
+        return len(self._node_of)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def even(self) -> bool:
+        """Whether every node has the same number of ranks."""
+        return len({len(n) for n in self.nodes}) == 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """L. Raises on uneven topologies, where it is not defined."""
+        if not self.even:
+            raise ValueError(f"ranks_per_node is undefined for uneven nodes {self.nodes}")
+        return len(self.nodes[0])
+
+    @property
+    def max_ranks_per_node(self) -> int:
+        return max(len(n) for n in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        return self._node_of[self._check(rank)]
+
+    def local_rank(self, rank: int) -> int:
+        return self._local[self._check(rank)]
+
+    def node_ranks(self, rank: int) -> tuple[int, ...]:
+        """Ranks on the same node as ``rank`` (its intra group)."""
+        return self.nodes[self.node_of(rank)]
+
+    def rail(self, local_rank: int) -> tuple[int, ...]:
+        """Global ranks with local rank ``local_rank``, one per node that has it, by node."""
+        if not 0 <= local_rank < self.max_ranks_per_node:
+            raise ValueError(f"local_rank {local_rank} out of range 0..{self.max_ranks_per_node - 1}")
+        return tuple(n[local_rank] for n in self.nodes if local_rank < len(n))
+
+    @property
+    def rails(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.rail(i) for i in range(self.max_ranks_per_node))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """Local rank 0 of every node (rail 0)."""
+        return self.rail(0)
+
+    def describe(self) -> str:
+        shape = f"{self.num_nodes}x{len(self.nodes[0])}" if self.even else "uneven"
+        return f"{shape} ({self.num_nodes} nodes, world {self.world_size}): {list(map(list, self.nodes))}"
+
+    def _check(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in this topology (world size {self.world_size})")
+        return rank
+
+    # ----------------------------------------------------------------- groups
+    def build_groups(self, process_group: "dist.ProcessGroup | None" = None, timeout=None) -> "Groups":
+        """Create this rank's intra and rail groups. Collective: every rank must call it.
+
+        ``new_group`` must be called by every rank for every group in the same order, so
+        all nodes' groups are created everywhere and each rank keeps its own.
+        ``process_group`` must be the world: hiersync's groups are subgroups of it.
+        """
+        import torch.distributed as dist
+
+        if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+            raise ValueError(
+                "hiersync needs the default (world) process group; got a subgroup of size "
+                f"{dist.get_world_size(process_group)} (world {dist.get_world_size()})"
+            )
+        rank = dist.get_rank()
+        if self.world_size != dist.get_world_size():
+            raise ValueError(
+                f"topology has {self.world_size} ranks but the process group has {dist.get_world_size()}; "
+                "detect it with Topology.detect() or fix HIERSYNC_NODE_IDS"
+            )
+        kw = {} if timeout is None else {"timeout": timeout}
+
+        def make(ranks_list: Sequence[Sequence[int]]) -> "dist.ProcessGroup | None":
+            mine = None
+            for ranks in ranks_list:
+                g = dist.new_group(list(ranks), **kw)
+                if rank in ranks:
+                    mine = g
+            return mine
+
+        # Two intra groups: the second carries collectives that are launched from future
+        # callbacks (all-gathers after the rail leg); keeping them off the first group means
+        # every group sees its collectives issued in one deterministic order on every rank.
+        intra = make(self.nodes)
+        intra_late = make(self.nodes)
+        rail = make(self.rails)
+        return Groups(topology=self, rank=rank, intra=intra, intra_late=intra_late, rail=rail)
+
+
+@dataclass
+class Groups:
+    """This rank's process groups. ``None`` where the group would hold only this rank."""
+
+    topology: Topology
+    rank: int
+    intra: "dist.ProcessGroup | None"
+    intra_late: "dist.ProcessGroup | None"
+    rail: "dist.ProcessGroup | None"
+
+    @property
+    def node_size(self) -> int:
+        return len(self.topology.node_ranks(self.rank))
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.rank)
+
+    @property
+    def rail_size(self) -> int:
+        return len(self.topology.rail(self.local_rank))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0

@@ -1,0 +1,35 @@
+"""Shared helpers for the multi-process tests.
+
+Every multi-process test goes through hiersync._launch.run: FileStore rendezvous (no
+ports), a process-group timeout, a wall-clock limit, and all ranks killed on the first
+failure. Keep worlds <= 4 (6 at most) and models tiny: the machine has two cores.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from hiersync._launch import run
+
+# Topologies every distributed behaviour is checked on (one node id per global rank).
+TOPOLOGIES = {
+    "1x2": [0, 0],
+    "2x1": [0, 1],
+    "2x2": [0, 0, 1, 1],
+    "noncontiguous": [0, 1, 0, 1],
+    "uneven": [0, 0, 0, 1],
+}
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def launch(fn, node_ids, *args, timeout: float = 120.0, pg_timeout: float = 60.0, **kw):
+    """Run ``fn(*args)`` on ``len(node_ids)`` ranks emulating ``node_ids``; return rank results."""
+    return run(fn, len(node_ids), args, node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout, **kw)
+
+
+@pytest.fixture(params=list(TOPOLOGIES), ids=list(TOPOLOGIES))
+def topology(request):
+    return request.param, TOPOLOGIES[request.param]

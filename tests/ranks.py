@@ -1,0 +1,183 @@
+"""Functions that run on every rank under hiersync._launch (module level, so importable).
+
+Shared by the multi-process tests. Models are tiny: the machine has two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hiersync
+from hiersync.collectives import HierComm
+
+
+# ---------------------------------------------------------------- models and data
+class Net(torch.nn.Module):
+    """A small MLP; ``unused`` adds a branch that never gets a gradient; ``bf16`` a bf16 layer."""
+
+    def __init__(self, width: int = 16, unused: bool = False, bf16: bool = False) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, width)
+        self.fc2 = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 4)
+        self.unused = torch.nn.Linear(width, 3) if unused else None
+        self.low = torch.nn.Linear(width, width).to(torch.bfloat16) if bf16 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        if self.low is not None:
+            h = h + self.low(h.to(torch.bfloat16)).float()
+        return self.head(h)
+
+
+def batch(step: int, micro: int = 0, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * dist.get_rank() + 100 * step + micro)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def train(ddp: DDP, opt: torch.optim.Optimizer, steps: int, accum: int = 1, start: int = 0, nan_at=None) -> None:
+    for step in range(start, start + steps):
+        for micro in range(accum):
+            x, y = batch(step, micro)
+            ctx = ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = torch.nn.functional.mse_loss(ddp(x), y)
+                if nan_at is not None and nan_at(step):
+                    loss = loss * float("nan")
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+# ---------------------------------------------------------------- core checks
+DDP_VARIANTS = {
+    "plain": dict(model={}, ddp={}),
+    "bucket_view": dict(model={}, ddp={"gradient_as_bucket_view": True}),
+    "static_graph": dict(model={}, ddp={"static_graph": True}),
+    "unused": dict(model={"unused": True}, ddp={"find_unused_parameters": True}),
+    "no_sync": dict(model={}, ddp={}, accum=3),
+    "tiny_buckets": dict(model={}, ddp={"bucket_cap_mb": 0.0005}),
+    "bf16_mixed": dict(model={"bf16": True}, ddp={}),
+}
+
+
+def ddp_parity(variants: list[str], steps: int = 6, options: dict | None = None, low_precision_tol: bool = False) -> dict:
+    """Train DDP default and DDP+hiersync side by side; return per-variant max abs diffs.
+
+    fp32 parameters must match to rtol 1e-5 / atol 1e-6. With ``low_precision_tol`` (bf16
+    buckets on more than two ranks) the sums are rounded to bf16 in a different order than
+    gloo's ring, so bf16 parameters may differ by an ulp and that difference feeds the fp32
+    layers' next forward passes: the comparison then allows bf16-level differences.
+    """
+    out = {}
+    for name in variants:
+        v = DDP_VARIANTS[name]
+        torch.manual_seed(0)
+        model = Net(**v["model"])
+        ref = DDP(copy.deepcopy(model), **v["ddp"])
+        ddp = DDP(model, **v["ddp"])
+        state = hiersync.HierState(period=1, **(options or {}))
+        ddp.register_comm_hook(state, hiersync.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        train(ddp, opt, steps, v.get("accum", 1))
+        train(ref, opt_ref, steps, v.get("accum", 1))
+        diffs = []
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            tol = dict(rtol=1e-5, atol=1e-6)
+            if low_precision_tol and name == "bf16_mixed":
+                tol = dict(rtol=2**-7, atol=1e-3) if p.dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{name}: {m}")
+            diffs.append(float((p.detach().float() - q.detach().float()).abs().max()))
+        out[name] = {"max_diff": max(diffs), "steps": state.stats.steps, "exact": state.stats.exact_steps}
+    return out
+
+
+def allreduce_sizes(sizes: list[int], dtype: str = "float32") -> dict:
+    """Two-level all-reduce of random tensors of each size vs a flat all-reduce / world."""
+    comm = HierComm(hiersync.Topology.detect().build_groups())
+    dt = getattr(torch, dtype)
+    worst = 0.0
+    futs = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(7919 * n + dist.get_rank())
+        x = torch.randn(n, generator=g).to(dt)
+        ref = x.clone()
+        dist.all_reduce(ref)
+        ref.div_(dist.get_world_size())
+        futs.append((comm.allreduce(x), ref))  # several in flight at once, like DDP buckets
+    for fut, ref in futs:
+        y = fut.wait()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        worst = max(worst, float((y - ref).abs().max()))
+    return {"worst": worst, "count": len(sizes)}
+
+
+def stats_for_bucket(numel: int) -> dict:
+    """Reduce one tensor of ``numel`` fp32 with the exact path and return the stats."""
+    comm = HierComm(hiersync.Topology.detect().build_groups())
+    comm.allreduce(torch.ones(numel)).wait()
+    intra_only = torch.ones(numel)
+    comm.stats.reset()
+    comm.allreduce(torch.ones(numel)).wait()
+    exact = comm.stats.as_dict()
+    comm.stats.reset()
+    comm.intra_allreduce(intra_only).wait()
+    return {"exact": exact, "intra": comm.stats.as_dict()}
+
+
+def detect_topology() -> list[list[int]]:
+    return [list(n) for n in hiersync.Topology.detect().nodes]
+
+
+def detect_by_group_rank() -> list[list[int]]:
+    import os
+
+    os.environ["GROUP_RANK"] = str(dist.get_rank() // 2)
+    return detect_topology()
+
+
+def allreduce_sizes_lowp(sizes: list[int], dtype: str) -> None:
+    comm = HierComm(hiersync.Topology.detect().build_groups())
+    dt = getattr(torch, dtype)
+    for n in sizes:
+        g = torch.Generator().manual_seed(n + dist.get_rank())
+        x = torch.randn(n, generator=g).to(dt)
+        exact = x.double()
+        dist.all_reduce(exact)
+        exact /= dist.get_world_size()
+        scale = x.double().abs()
+        dist.all_reduce(scale)
+        scale /= dist.get_world_size()
+        y = comm.allreduce(x).wait()
+        assert y.dtype == dt
+        # Divide, two partial sums and their rounding: each error is at most one unit
+        # roundoff of a partial sum, and partial sums are bounded by the mean of |x|.
+        err = (y.double() - exact).abs()
+        bound = 4 * torch.finfo(dt).eps * scale + 1e-30
+        assert bool((err <= bound).all()), f"{dtype} n={n}: max err/bound {float((err / bound).max()):.2f}"
+
+
+def register_one_liner() -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    ref = DDP(copy.deepcopy(model))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state = hiersync.register(ddp, opt, period=1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    train(ddp, opt, 5)
+    train(ref, opt_ref, 5)
+    for p, q in zip(ddp.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    return state.stats.as_dict()

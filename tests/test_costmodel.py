@@ -1,0 +1,476 @@
+"""hiersync.costmodel: formulas pinned to hand-computed values, limits, properties, fitting."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hiersync import costmodel as cm
+from hiersync.costmodel import Link
+
+A, B = 1e-5, 1e-9
+LINK = Link(A, B)
+ETA = cm.DEFAULT_TREE_EFFICIENCY
+H100 = cm.PRESETS["h100-8rail"]
+
+
+# --- single-level formulas, by hand -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "algorithm, expected",
+    [
+        ("ring", 2 * 7 * A + 2 * 7 / 8 * 1e6 * B),  # 1.4e-4 + 1.75e-3 = 1.89e-3
+        ("tree", 2 * 3 * A + 2 * 1e6 * B / ETA),
+        ("binomial", 2 * 3 * (A + 1e6 * B)),
+        ("recursive_doubling", 3 * (A + 1e6 * B)),
+        ("rabenseifner", 2 * 3 * A + 2 * 7 / 8 * 1e6 * B),
+    ],
+)
+def test_allreduce_by_hand(algorithm, expected):
+    assert cm.allreduce_time(algorithm, 8, 1e6, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_ring_anchor_value():
+    assert cm.allreduce_time("ring", 8, 1e6, LINK) == pytest.approx(1.89e-3, rel=1e-12)
+
+
+def test_tree_efficiency_and_non_power_of_two():
+    assert cm.allreduce_time("tree", 8, 1e6, LINK, efficiency=1.0) == pytest.approx(6e-5 + 2e-3)
+    assert cm.allreduce_time("tree", 5, 0, LINK) == pytest.approx(2 * 3 * A)  # ceil(lg 5) = 3
+    assert cm.allreduce_time("recursive_doubling", 1024, 0, LINK) == pytest.approx(10 * A)
+
+
+def test_gamma_terms():
+    link = Link(A, B, gamma=1e-10)
+    n = 1e6
+    assert cm.allreduce_time("ring", 4, n, link) == pytest.approx(6 * A + 1.5 * n * B + 0.75 * n * 1e-10)
+    assert cm.allreduce_time("tree", 4, n, link) == pytest.approx(4 * A + 2 * n * B / ETA + n * 1e-10)
+    assert cm.reduce_time("binomial", 4, n, link) == pytest.approx(2 * (A + n * B + n * 1e-10))
+    assert cm.all_gather_time("ring", 4, n, link) == pytest.approx(3 * A + 0.75 * n * B)  # no reduction
+
+
+def test_other_collectives_by_hand():
+    n = 1e6
+    assert cm.reduce_scatter_time("ring", 4, n, LINK) == pytest.approx(3 * A + 0.75 * n * B)
+    assert cm.reduce_scatter_time("recursive_halving", 4, n, LINK) == pytest.approx(2 * A + 0.75 * n * B)
+    assert cm.all_gather_time("recursive_doubling", 8, n, LINK) == pytest.approx(3 * A + 7 / 8 * n * B)
+    assert cm.broadcast_time("binomial", 8, n, LINK) == pytest.approx(3 * (A + n * B))
+    assert cm.broadcast_time("ring", 8, n, LINK) == pytest.approx(7 * A + n * B)
+    assert cm.broadcast_time("scatter_allgather", 8, n, LINK) == pytest.approx(10 * A + 2 * 7 / 8 * n * B)
+    assert cm.reduce_time("ring", 8, n, LINK) == pytest.approx(7 * A + n * B)
+    assert cm.reduce_time("rabenseifner", 8, n, LINK) == pytest.approx(6 * A + 2 * 7 / 8 * n * B)
+
+
+def test_ring_allreduce_is_reduce_scatter_plus_all_gather():
+    link = Link(3e-6, 2e-10, 5e-11)
+    for p in (2, 3, 8, 100):
+        rs = cm.reduce_scatter_time("ring", p, 7e6, link)
+        ag = cm.all_gather_time("ring", p, 7e6, link)
+        assert cm.allreduce_time("ring", p, 7e6, link) == pytest.approx(rs + ag)
+
+
+@pytest.mark.parametrize("algorithm", cm.ALLREDUCE_ALGORITHMS)
+def test_one_rank_costs_nothing(algorithm):
+    assert cm.allreduce_time(algorithm, 1, 1e9, LINK) == 0.0
+    assert cm.reduce_scatter_time("ring", 1, 1e9, LINK) == 0.0
+    assert cm.broadcast_time("binomial", 1, 1e9, LINK) == 0.0
+    assert cm.hierarchical_allreduce_time(1e9, 1, 1, LINK, LINK) == 0.0
+    assert cm.flat_allreduce_time(1e9, 1, 1, LINK, LINK, algorithm="auto") == 0.0
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def test_unknown_algorithm_lists_valid_names():
+    with pytest.raises(ValueError, match="valid: ring, tree, binomial, recursive_doubling, rabenseifner"):
+        cm.allreduce_time("butterfly", 8, 1, LINK)
+    with pytest.raises(ValueError, match="recursive_halving"):
+        cm.reduce_scatter_time("tree", 8, 1, LINK)
+    with pytest.raises(ValueError, match="auto"):
+        cm.flat_allreduce_time(1, 2, 2, LINK, LINK, algorithm="binomial")
+
+
+def test_link_validation_names_the_value():
+    with pytest.raises(ValueError, match="alpha.*-1"):
+        Link(-1, 1e-9)
+    with pytest.raises(ValueError, match="beta.*nan"):
+        Link(0, float("nan"))
+    with pytest.raises(TypeError, match="gamma"):
+        Link(0, 0, "1")
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        Link.from_bandwidth(1e-6, 0)
+    link = Link.from_bandwidth(1e-6, 4e9)
+    assert link.beta == pytest.approx(2.5e-10) and link.bandwidth == pytest.approx(4e9)
+    assert Link(0, 0).bandwidth == math.inf
+    assert Link.from_json(link.to_json()) == link
+
+
+def test_argument_validation():
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        cm.allreduce_time("ring", 0, 1, LINK)
+    with pytest.raises(TypeError, match="ranks"):
+        cm.allreduce_time("ring", True, 1, LINK)
+    with pytest.raises(ValueError, match="nbytes"):
+        cm.allreduce_time("ring", 2, -5, LINK)
+    with pytest.raises(ValueError, match="efficiency"):
+        cm.allreduce_time("tree", 2, 1, LINK, efficiency=1.5)
+    with pytest.raises(TypeError, match="Link"):
+        cm.allreduce_time("ring", 2, 1, (1e-5, 1e-9))
+    with pytest.raises(ValueError, match="rails must be >= 1"):
+        cm.hierarchical_allreduce_time(1, 2, 2, LINK, LINK, rails=0)
+
+
+# --- limits ----------------------------------------------------------------------------------
+
+
+def test_tree_beats_ring_for_small_messages_at_scale():
+    for p in (64, 256, 1024):
+        assert cm.allreduce_time("tree", p, 1024, LINK) < cm.allreduce_time("ring", p, 1024, LINK)
+
+
+def test_ring_wins_huge_messages_by_no_more_than_the_efficiency_factor():
+    for p in (2, 8, 1024):
+        ring = cm.allreduce_time("ring", p, 1e15, LINK)
+        tree = cm.allreduce_time("tree", p, 1e15, LINK)
+        assert ring < tree
+        # tree / ring -> p / ((p - 1) * eta): the whole gap is efficiency and (p-1)/p
+        assert tree / ring == pytest.approx(p / ((p - 1) * ETA), rel=1e-6)
+
+
+def test_ring_bandwidth_term_is_at_most_2n_beta_for_any_p():
+    """The seed blog's 'ring is O(p n)' is wrong: the bandwidth term never exceeds 2 n beta."""
+    bw_only = Link(0.0, B)
+    terms = [cm.allreduce_time("ring", p, 1e9, bw_only) for p in (2, 8, 64, 1024, 65536)]
+    assert all(t <= 2 * 1e9 * B for t in terms)
+    assert terms == sorted(terms) and terms[-1] == pytest.approx(2 * 1e9 * B, rel=1e-4)
+
+
+def test_crossover_by_hand():
+    # ring vs tree on p = 1024: 2046 a + 2(1023/1024) n b == 20 a + 2 n b / eta
+    p = 1024
+    expected = (2046 - 20) * A / (2 * B / ETA - 2 * (p - 1) / p * B)
+    n_star = cm.crossover_bytes(p, LINK, "ring", "tree")
+    assert n_star == pytest.approx(expected, rel=1e-12)
+    assert n_star == pytest.approx(1.152e8, rel=0.001)  # the worked number in docs/costmodel.md
+    assert cm.allreduce_time("ring", p, n_star, LINK) == pytest.approx(cm.allreduce_time("tree", p, n_star, LINK))
+    assert cm.crossover_bytes(p, LINK, "ring", "rabenseifner") == math.inf  # same per-byte cost
+    assert cm.crossover_bytes(p, LINK, "ring", "ring") == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    p=st.integers(2, 4096),
+    alpha=st.floats(1e-7, 1e-3),
+    beta=st.floats(1e-12, 1e-8),
+    eta=st.floats(0.5, 1.0),
+)
+def test_crossover_separates_the_winners(p, alpha, beta, eta):
+    link = Link(alpha, beta)
+    n_star = cm.crossover_bytes(p, link, "ring", "tree", efficiency=eta)
+
+    def t(algo, n):
+        return cm.allreduce_time(algo, p, n, link, efficiency=eta)
+
+    if math.isinf(n_star):
+        assert t("ring", 1.0) <= t("tree", 1.0) * (1 + 1e-9) or t("tree", 1e18) <= t("ring", 1e18)
+    else:
+        assert t("tree", n_star / 2) < t("ring", n_star / 2)
+        assert t("ring", n_star * 2) < t("tree", n_star * 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    algo=st.sampled_from(cm.ALLREDUCE_ALGORITHMS),
+    p=st.integers(1, 4096),
+    n1=st.floats(0, 1e12),
+    n2=st.floats(0, 1e12),
+    alpha=st.floats(0, 1e-3),
+    beta=st.floats(0, 1e-8),
+    gamma=st.floats(0, 1e-9),
+)
+def test_monotone_in_bytes_and_ranks(algo, p, n1, n2, alpha, beta, gamma):
+    link = Link(alpha, beta, gamma)
+    lo, hi = sorted((n1, n2))
+    assert cm.allreduce_time(algo, p, lo, link) <= cm.allreduce_time(algo, p, hi, link)
+    assert cm.allreduce_time(algo, p, hi, link) <= cm.allreduce_time(algo, p + 1, hi, link) * (1 + 1e-12)
+    assert cm.allreduce_time(algo, p, hi, link) >= 0
+
+
+# --- two-level formulas ----------------------------------------------------------------------
+
+INTRA, INTER = Link(1e-6, 1e-11), Link(1e-5, 1e-10)
+
+
+def test_hierarchical_by_hand():
+    n = 8e6
+    rs = ag = 7e-6 + 7 / 8 * n * 1e-11  # (L-1) a_i + (L-1)/L n b_i
+    ar = 6e-5 + 1.5 * (n / 8) * 1e-10  # ring on N=4 ranks of n/L
+    t = cm.hierarchical_allreduce_time(n, 4, 8, INTRA, INTER, rails=8)
+    assert t == pytest.approx(rs + ar + ag, rel=1e-12)
+    assert cm.hierarchical_allreduce_time(n, 4, 8, INTRA, INTER) == pytest.approx(t)  # one NIC per rank
+    assert cm.hierarchical_allreduce_time(n, 4, 8, INTRA, INTER, rails=16) == pytest.approx(t)  # capped
+    # 2 NICs for 8 rails: each rail gets a quarter of a NIC, so inter beta x 4
+    ar2 = 6e-5 + 1.5 * (n / 8) * 4e-10
+    assert cm.hierarchical_allreduce_time(n, 4, 8, INTRA, INTER, rails=2) == pytest.approx(rs + ar2 + ag)
+
+
+def test_hierarchical_degenerate_shapes():
+    n = 3e7
+    assert cm.hierarchical_allreduce_time(n, 1, 8, INTRA, INTER) == pytest.approx(
+        cm.allreduce_time("ring", 8, n, INTRA))
+    assert cm.hierarchical_allreduce_time(n, 16, 1, INTRA, INTER, inter_algorithm="tree") == pytest.approx(
+        cm.allreduce_time("tree", 16, n, INTER))
+    auto = cm.hierarchical_allreduce_time(n, 16, 4, INTRA, INTER, inter_algorithm="auto")
+    assert auto == pytest.approx(min(
+        cm.hierarchical_allreduce_time(n, 16, 4, INTRA, INTER, inter_algorithm=a) for a in ("ring", "tree")))
+
+
+def test_flat_by_hand():
+    n = 8e6  # N=4, L=8, p=32, 8 NICs
+    per_byte = max(1e-11, 1e-10 / 8)
+    ring = 8 * 1e-5 + (62 - 8) * 1e-6 + 2 * 31 / 32 * n * per_byte  # 2N inter hops of 2(p-1)
+    tree = 2 * (7 * 1e-6 + 2 * 1e-5) + 2 * n * per_byte / ETA
+    assert cm.flat_allreduce_time(n, 4, 8, INTRA, INTER, 8, "ring") == pytest.approx(ring, rel=1e-12)
+    assert cm.flat_allreduce_time(n, 4, 8, INTRA, INTER, 8, "tree") == pytest.approx(tree, rel=1e-12)
+    assert cm.flat_allreduce_time(n, 4, 8, INTRA, INTER, 8, "auto") == pytest.approx(min(ring, tree))
+    # one NIC: the node's 2(p-1)/p n bytes all go through it
+    one = 8 * 1e-5 + 54 * 1e-6 + 2 * 31 / 32 * n * 1e-10
+    assert cm.flat_allreduce_time(n, 4, 8, INTRA, INTER, 1, "ring") == pytest.approx(one, rel=1e-12)
+    assert cm.flat_allreduce_time(n, 1, 8, INTRA, INTER) == pytest.approx(cm.allreduce_time("ring", 8, n, INTRA))
+
+
+def test_two_level_moves_fewer_inter_bytes_than_flat_ring_at_small_n():
+    """Per node, flat ring pushes 2(p-1)/p n through the NICs, two-level 2(N-1)/N n."""
+    intra, inter = Link(0, 1e-12), Link(0, 1e-9)  # bandwidth only, intra ~free
+    for nodes in (2, 4, 64):
+        flat = cm.flat_allreduce_time(1e9, nodes, 8, intra, inter, rails=1)
+        two = cm.hierarchical_allreduce_time(1e9, nodes, 8, intra, inter, rails=1)
+        p = nodes * 8
+        ratio = (2 * (p - 1) / p) / (2 * (nodes - 1) / nodes)
+        assert flat / two == pytest.approx(ratio, rel=0.01)
+
+
+def test_param_sync_time():
+    n = 8e6
+    ar = 6e-5 + 1.5 * (n / 8) * 1e-10
+    ag = 7e-6 + 7 / 8 * n * 1e-11
+    assert cm.param_sync_time(n, 4, 8, INTRA, INTER) == pytest.approx(ar + ag)
+    half = cm.param_sync_time(n, 4, 8, INTRA, INTER, compress_ratio=0.5)
+    assert half == pytest.approx(cm.param_sync_time(n / 2, 4, 8, INTRA, INTER))
+    assert cm.param_sync_time(n, 1, 8, INTRA, INTER) == 0.0
+
+
+# --- the NCCL anchor ---------------------------------------------------------------------------
+
+
+def _nccl_tuning_model(algo: str, nbytes: float, nodes: int, per_node: int) -> float:
+    """NCCL's own estimate (src/graph/tuning.cc, Simple protocol, Hopper), in seconds.
+
+    Latency (us): base 8.4 plus ring 2(p-1) hops (2N over the network at 14, the rest NVLink
+    at 3.4) or tree 2((L-1) * 4.0 + log2(N) * 14). Bandwidth: bus bandwidth capped at 370 GB/s;
+    ring algbw = busbw * p / (2(p-1)), tree algbw = busbw * 0.92 * 0.5.
+    """
+    p, busbw = nodes * per_node, 370e9
+    if algo == "ring":
+        steps, inter = 2 * (p - 1), 2 * nodes
+        lat = 8.4 + (steps - inter) * 3.4 + inter * 14.0
+        return lat * 1e-6 + nbytes / (busbw * p / steps)
+    lat = 8.4 + 2 * ((per_node - 1) * 4.0 + math.log2(nodes) * 14.0)
+    return lat * 1e-6 + nbytes / (busbw * 0.92 * 0.5)
+
+
+def test_nccl_anchor_tree_up_to_multi_gb_at_128x8():
+    """With NCCL-like constants the model picks tree over ring up to multi-GB messages, as NCCL does."""
+    topo = (128, 8, H100.intra, H100.inter, H100.rails)
+    ours = cm.flat_crossover_bytes(*topo)
+    assert 5e9 < ours < 1e11  # ~20 GB: every realistic bucket and even whole models use tree
+    for n in 2.0 ** np.arange(10, 33):  # 1 KB .. 4 GB
+        assert cm.flat_allreduce_time(n, *topo, "tree") < cm.flat_allreduce_time(n, *topo, "ring")
+        assert _nccl_tuning_model("tree", n, 128, 8) < _nccl_tuning_model("ring", n, 128, 8)
+    # NCCL's own model switches at nearly the same size
+    lo, hi = 1e6, 1e12
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if _nccl_tuning_model("tree", mid, 128, 8) < _nccl_tuning_model("ring", mid, 128, 8) \
+            else (lo, mid)
+    assert 0.5 < ours / lo < 2.0
+    # and on 2 nodes both switch to ring near 100 MB
+    small = cm.flat_crossover_bytes(2, 8, H100.intra, H100.inter, H100.rails)
+    assert 3e7 < small < 3e8
+
+
+# --- presets, profiles, runtime choice -------------------------------------------------------------
+
+
+def test_presets_are_sound():
+    assert set(cm.PRESETS) == {"h100-8rail", "a100-1nic", "pcie-25gbe", "emulated"}
+    for name, prof in cm.PRESETS.items():
+        assert prof.name == name and prof.source
+        assert prof.intra.bandwidth > prof.inter.bandwidth
+        assert cm.get_preset(name) is prof
+    assert 46e9 <= H100.inter.bandwidth <= 48e9 and H100.rails == 8
+    assert cm.PRESETS["emulated"].backend == "gloo"
+    assert cm.PRESETS["emulated"].inter.bandwidth == pytest.approx(95e6)
+    with pytest.raises(ValueError, match="valid: h100-8rail"):
+        cm.get_preset("tpu")
+
+
+def test_preset_for_backend(caplog):
+    assert cm.preset_for_backend("gloo") == "emulated"
+    assert cm.preset_for_backend("nccl") == "h100-8rail"
+    assert cm.preset_for_backend("cpu:gloo,cuda:nccl") == "h100-8rail"
+    with caplog.at_level(logging.WARNING, logger="hiersync.costmodel"):
+        assert cm.preset_for_backend("mpi") == "emulated"
+    assert "mpi" in caplog.text
+
+
+def test_profile_round_trip(tmp_path):
+    prof = replace(cm.PRESETS["a100-1nic"], metadata={"r2": {"intra": 0.999}}, source="test")
+    assert cm.Profile.from_json(prof.to_json()) == prof
+    path = prof.save(tmp_path / "sub" / "p.json")
+    assert cm.Profile.load(path) == prof
+    assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temporary left behind
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="lacks"):
+        cm.Profile.from_json({"intra": LINK.to_json()})
+    with pytest.raises(ValueError, match="format"):
+        cm.Profile.from_json({**H100.to_json(), "format": "other/9"})
+    with pytest.raises(ValueError, match="ranks_per_node must be >= 1, got 0"):
+        replace(H100, ranks_per_node=0)
+    with pytest.raises(TypeError, match="Profile.intra"):
+        replace(H100, intra=(1, 2))
+    with pytest.raises(ValueError, match="alpha"):
+        cm.Profile.from_json({**H100.to_json(), "inter": {"alpha": -1, "beta": 1}})
+
+
+def test_choose_exact_algorithm():
+    emu = cm.PRESETS["emulated"]
+    for n in (1e3, 1e6, 1e8):
+        assert cm.choose_exact_algorithm(n, 2, 2, emu) == "two_level"  # one NIC: 2(N-1)/N n < 2(p-1)/p n
+    assert cm.choose_exact_algorithm(1e8, 1, 8, emu) == "flat"
+    assert cm.choose_exact_algorithm(1e8, 4, 1, emu) == "flat"
+    # 8 rails: rails carry the same bytes as flat NCCL, so flat (no extra intra legs) wins
+    assert cm.choose_exact_algorithm(25e6, 128, 8, H100) == "flat"
+
+
+# --- schedule model ------------------------------------------------------------------------
+
+
+def test_simulate_fifo_per_group_by_hand():
+    chain = [("intra", 1.0), ("rail", 10.0), ("intra", 1.0)]
+    # rs1 [0,1] rs2 [1,2]; ar1 [1,11] ar2 [11,21]; ag1 [11,12] ag2 [21,22]
+    assert cm._simulate([0.0, 0.0], [chain, chain]) == pytest.approx(22.0)
+    assert cm._simulate([0.0, 50.0], [chain, chain]) == pytest.approx(62.0)
+
+
+def _emu(**kw):
+    base = dict(profile=cm.PRESETS["emulated"], grad_bytes=100e6, bucket_bytes=25e6, backward_s=0.3)
+    return {**base, **kw}
+
+
+def test_ddp_step_by_hand():
+    prof = cm.PRESETS["emulated"]
+    d = cm.flat_allreduce_time(25e6, 2, 2, prof.intra, prof.inter, prof.rails)
+    serial = cm.step_time("ddp", **_emu(backward_s=0.0))
+    assert serial.num_buckets == 4
+    assert serial.comm_s == pytest.approx(4 * d) and serial.exposed_s == pytest.approx(4 * d)
+    # with a long backward only the last bucket's all-reduce is exposed
+    hidden = cm.step_time("ddp", **_emu(backward_s=100.0, compute_s=120.0))
+    assert hidden.exposed_s == pytest.approx(d) and hidden.step_s == pytest.approx(120.0 + d)
+
+
+def test_period_amortizes_and_approaches_intra_only():
+    intra = cm.step_time("intra_only", **_emu())
+    steps = [cm.step_time("hiersync", period=k, **_emu()) for k in (2, 4, 8, 10**6)]
+    assert [s.label for s in steps[:3]] == ["hiersync k=2", "hiersync k=4", "hiersync k=8"]
+    comm = [s.comm_s for s in steps]
+    assert comm == sorted(comm, reverse=True)
+    assert steps[-1].step_s == pytest.approx(intra.step_s, rel=1e-5)
+    ddp, k1 = cm.step_time("ddp", **_emu()), cm.step_time("hiersync", **_emu())
+    assert intra.step_s < steps[0].step_s < k1.step_s < ddp.step_s  # emulated: 1 NIC, 2 nodes
+
+
+def test_placements_and_compression():
+    prof = cm.PRESETS["emulated"]
+    local = cm.step_time("intra_only", **_emu())
+    sync = cm.param_sync_time(100e6, 2, 2, prof.intra, prof.inter, prof.rails)
+    opt = cm.step_time("hiersync", period=4, placement="optimizer", **_emu())
+    assert opt.exposed_s == pytest.approx(local.exposed_s + sync / 4)
+    assert opt.label == "hiersync k=4 optimizer"
+    overlap = cm.step_time("hiersync", period=4, placement="overlap", **_emu(compute_s=1e3))
+    assert overlap.exposed_s == pytest.approx(local.exposed_s)  # hidden behind a whole step
+    half = cm.step_time("hiersync", period=4, placement="optimizer", compress_ratio=0.5, **_emu())
+    assert half.comm_s < opt.comm_s
+
+
+def test_step_time_validation():
+    with pytest.raises(ValueError, match="valid: ddp, hiersync, intra_only"):
+        cm.step_time("local_sgd", **_emu())
+    with pytest.raises(ValueError, match="placement"):
+        cm.step_time("hiersync", placement="later", **_emu())
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        cm.step_time("ddp", **_emu(bucket_bytes=0))
+    with pytest.raises(ValueError, match="algorithm"):
+        cm.step_time("ddp", algorithm="binomial", **_emu())
+
+
+# --- fitting ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "alpha, beta, ranks, algorithm",
+    [(2.5e-5, 1 / 95e6, 4, "ring"), (3e-5, 1 / 3e9, 2, "ring"), (1e-5, 1e-9, 8, "tree"), (5e-6, 1 / 47e9, 16, "ring")],
+)
+def test_fit_recovers_alpha_beta_within_5_percent(alpha, beta, ranks, algorithm):
+    sizes = np.repeat(2.0 ** np.arange(10, 29), 3)  # 1 KB .. 256 MB, 3 repetitions
+    true = np.array([cm.allreduce_time(algorithm, ranks, n, Link(alpha, beta)) for n in sizes])
+    for seed in range(5):
+        noisy = true * (1 + np.random.default_rng(seed).normal(0, 0.03, len(sizes)))  # 3% noise
+        fit = cm.fit_link(sizes, noisy, ranks=ranks, algorithm=algorithm)
+        assert fit.link.alpha == pytest.approx(alpha, rel=0.05)
+        assert fit.link.beta == pytest.approx(beta, rel=0.05)
+        assert fit.r2 > 0.99 and fit.num_points == len(sizes)
+
+
+def test_fit_exact_data_and_other_collectives():
+    sizes = [4096, 65536, 1 << 20, 1 << 24]
+    times = [cm.all_gather_time("ring", 4, n, LINK) for n in sizes]
+    fit = cm.fit_link(sizes, times, ranks=4, collective="all_gather")
+    assert fit.link.alpha == pytest.approx(A) and fit.link.beta == pytest.approx(B)
+    assert fit.r2 == pytest.approx(1.0) and fit.max_rel_error < 1e-9
+
+
+def test_fit_clamps_negative_and_rejects_bad_input():
+    sizes = [1e3, 1e6, 1e9]
+    fit = cm.fit_link(sizes, [1e-9 * n for n in sizes], ranks=2)  # pure bandwidth
+    assert fit.link.alpha >= 0 and fit.link.beta == pytest.approx(1e-9, rel=1e-6)
+    with pytest.raises(ValueError, match="2 distinct"):
+        cm.fit_link([1e6, 1e6], [1.0, 1.0], ranks=4)
+    with pytest.raises(ValueError, match="> 0"):
+        cm.fit_link([1, 2], [1.0, -1.0], ranks=4)
+    with pytest.raises(ValueError, match="ranks >= 2"):
+        cm.fit_link([1, 2], [1.0, 2.0], ranks=1)
+    with pytest.raises(ValueError, match="collective"):
+        cm.fit_link([1, 2], [1.0, 2.0], ranks=2, collective="alltoall")
+
+
+# --- purity ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["costmodel.py", "planner.py", "projection.py"])
+def test_never_imports_torch(module):
+    tree = ast.parse((Path(cm.__file__).parent / module).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] == "torch"]

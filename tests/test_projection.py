@@ -1,0 +1,37 @@
+"""hiersync.projection: rows, files and the plot."""
+
+from __future__ import annotations
+
+import pytest
+
+from hiersync import cli
+from hiersync.projection import COLUMNS, project, to_csv, to_markdown
+
+
+def test_rows_and_shapes():
+    rows = project(["h100-8rail", "a100-1nic"], grad_bytes=14e9, backward_s=0.3)
+    assert len(rows) == 16 and all(set(r) == set(COLUMNS) for r in rows)
+    one_node = rows[0]
+    assert one_node["gpus"] == 8 and one_node["ar_two_level_ms"] == pytest.approx(one_node["ar_ring_ms"])
+    big = rows[7]
+    assert big["gpus"] == 1024 and big["ar_tree_ms"] < big["ar_ring_ms"]  # latency of 2046 ring hops
+    a100 = rows[15]
+    assert a100["step_k8_ms"] < a100["step_k4_ms"] < a100["step_k2_ms"] < a100["step_k1_ms"]
+    text = to_markdown(rows)
+    assert text.count("\n") == len(rows) + 2 and text.startswith("| preset | gpus |")
+    assert to_csv(rows).splitlines()[0] == ",".join(COLUMNS)
+
+
+def test_rejects_uneven_gpu_counts():
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        project(["emulated"], grad_bytes=1e6, backward_s=0.1, gpus=(12,))
+
+
+def test_cli_writes_table_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    argv = ["project", "--presets", "emulated", "--params", "25e6", "--max-gpus", "32", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "| emulated | 32 | 4 |" in capsys.readouterr().out
+    assert (tmp_path / "projection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "projection.csv").read_text().count("\n") == 4
+    assert "| emulated | 8 | 1 |" in (tmp_path / "projection.md").read_text()

@@ -1,0 +1,128 @@
+"""Topology: pure construction, validation, and detection on real process groups."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ranks
+from conftest import launch
+from hiersync import Topology
+from hiersync.topology import parse_node_ids
+
+
+def test_contiguous_2x2():
+    t = Topology.from_node_ids([0, 0, 1, 1])
+    assert t.nodes == ((0, 1), (2, 3))
+    assert t.num_nodes == 2 and t.ranks_per_node == 2 and t.even
+    assert [t.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert t.rails == ((0, 2), (1, 3))
+    assert t.leaders == (0, 2)
+
+
+def test_noncontiguous_and_arbitrary_ids():
+    t = Topology.from_node_ids([7, 3, 7, 3])
+    assert t.nodes == ((0, 2), (1, 3))
+    assert t.node_of(3) == 1 and t.local_rank(3) == 1
+    assert t.rail(0) == (0, 1) and t.rail(1) == (2, 3)
+
+
+def test_uneven():
+    t = Topology.from_node_ids([0, 0, 0, 1])
+    assert not t.even
+    assert t.nodes == ((0, 1, 2), (3,))
+    assert t.rails == ((0, 3), (1,), (2,))
+    with pytest.raises(ValueError, match="uneven"):
+        t.ranks_per_node
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([], "empty"),
+        ([0, "a"], r"node_ids\[1\]='a'"),
+        ([0, 1.5], r"node_ids\[1\]=1.5"),
+        ([0, True], r"node_ids\[1\]=True"),
+    ],
+)
+def test_from_node_ids_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Topology.from_node_ids(bad)
+
+
+def test_from_node_ids_rejects_string():
+    with pytest.raises(TypeError, match="sequence of ints"):
+        Topology.from_node_ids("0,0,1,1")
+
+
+def test_rank_in_no_node():
+    with pytest.raises(ValueError, match="cover global ranks 0..2 exactly once"):
+        Topology(nodes=((0, 1), (3,)))
+    with pytest.raises(ValueError, match="at least one rank"):
+        Topology(nodes=((0, 1), ()))
+
+
+@pytest.mark.parametrize(
+    "text, world, match",
+    [
+        ("0,0,x,1", 4, r"entry 2 \('x'\) is not an integer"),
+        ("0,0,1", 4, "has 3 entries but the world has 4 ranks"),
+        ("0,,1,1", 4, r"entry 1 \(''\)"),
+    ],
+)
+def test_parse_node_ids_rejects(text, world, match):
+    with pytest.raises(ValueError, match=match):
+        parse_node_ids(text, world)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-3, max_value=5), min_size=1, max_size=24))
+def test_property_random_layouts(ids):
+    t = Topology.from_node_ids(ids)
+    assert t.world_size == len(ids)
+    # ranks with equal ids share a node, and only those
+    for a in range(len(ids)):
+        for b in range(len(ids)):
+            assert (t.node_of(a) == t.node_of(b)) == (ids[a] == ids[b])
+    # local ranks are 0..L-1 in global-rank order inside each node
+    for node in t.nodes:
+        assert list(node) == sorted(node)
+        assert [t.local_rank(r) for r in node] == list(range(len(node)))
+    # rails partition the world, one rank per node that has that local rank
+    flat = sorted(r for rail in t.rails for r in rail)
+    assert flat == list(range(len(ids)))
+    for lr, rail in enumerate(t.rails):
+        assert all(t.local_rank(r) == lr for r in rail)
+        assert len({t.node_of(r) for r in rail}) == len(rail)
+    assert t.even == (len({len(n) for n in t.nodes}) == 1)
+
+
+def test_detect_from_env_override():
+    assert launch(ranks.detect_topology, [0, 1, 0, 1])[0] == [[0, 2], [1, 3]]
+
+
+def test_detect_from_hostname_same_host_is_one_node():
+    # no HIERSYNC_NODE_IDS: every rank reports this host's name -> one node
+    from hiersync._launch import run
+
+    assert run(ranks.detect_topology, 3, timeout=60)[0] == [[0, 1, 2]]
+
+
+def test_detect_from_group_rank():
+    # torchrun sets GROUP_RANK per agent: one agent per emulated node makes distinct nodes
+    from hiersync._launch import run
+
+    assert run(ranks.detect_by_group_rank, 4, timeout=60)[0] == [[0, 1], [2, 3]]
+
+
+def test_detect_rejects_malformed_env():
+    from hiersync._launch import RankFailed, run
+
+    with pytest.raises(RankFailed, match="has 3 entries but the world has 2 ranks"):
+        run(ranks.detect_topology, 2, env={"HIERSYNC_NODE_IDS": "0,0,1"}, timeout=60)
+
+
+def test_detect_needs_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Topology.detect()
