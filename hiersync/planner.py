@@ -25,7 +25,10 @@ from typing import Sequence
 
 from hiersync import costmodel as cm
 
-__all__ = ["PlanRow", "Plan", "make_plan", "format_plan", "add_arguments", "run", "DTYPE_BYTES"]
+__all__ = [
+    "PlanRow", "Plan", "make_plan", "format_plan", "add_arguments", "add_profile_arguments", "load_profile", "run",
+    "DTYPE_BYTES",
+]
 
 logger = logging.getLogger(__name__)
 
