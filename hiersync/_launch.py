@@ -63,6 +63,9 @@ class Outcome:
     """The rank's traceback if it raised."""
     elapsed_s: float = 0.0
     """Seconds from start until this rank exited."""
+    pid: int | None = None
+    failed_at: float | None = None
+    """Wall-clock time at which the rank raised, if it did."""
 
 
 def _child(
@@ -91,8 +94,9 @@ def _child(
         if dist.is_initialized():
             dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
+        failed_at = time.time()  # lets the parent tell the root cause from its consequences
         with open(os.path.join(tmpdir, f"error-{rank}"), "w") as f:
-            f.write(traceback.format_exc())
+            f.write(f"{failed_at!r}\n{traceback.format_exc()}")
         code = 1
     # Skip interpreter teardown: gloo's threads and a dead peer can make a graceful
     # destroy_process_group() hang; the parent only needs the result files.
@@ -157,7 +161,10 @@ def run_all(
             p.join(10)
         outcomes = []
         for r, p in enumerate(procs):
-            out = Outcome(rank=r, exitcode=p.exitcode if r in ended else None, elapsed_s=ended.get(r, time.monotonic() - start))
+            out = Outcome(
+                rank=r, exitcode=p.exitcode if r in ended else None, pid=p.pid,
+                elapsed_s=ended.get(r, time.monotonic() - start),
+            )
             try:
                 with open(os.path.join(tmpdir, f"result-{r}"), "rb") as f:
                     out.result = pickle.load(f)
@@ -165,7 +172,8 @@ def run_all(
                 pass
             try:
                 with open(os.path.join(tmpdir, f"error-{r}")) as f:
-                    out.error = f.read()
+                    stamp, _, out.error = f.read().partition("\n")
+                out.failed_at = float(stamp)
             except FileNotFoundError:
                 pass
             outcomes.append(out)
@@ -180,11 +188,12 @@ def run(fn: Callable, world_size: int, args: Sequence[Any] = (), **kwargs: Any) 
     ``TimeoutError`` when ranks are still running after ``timeout`` seconds (all killed).
     """
     outcomes = run_all(fn, world_size, args, fail_fast=True, **kwargs)
-    # Prefer the rank that raised over ranks that died of a peer's failure.
+    # The rank that raised first is the root cause; later errors are usually its peers
+    # noticing that it is gone.
     errors = [o for o in outcomes if o.error]
     codes = ", ".join(f"rank {o.rank}: {o.exitcode}" for o in outcomes)
     if errors:
-        first = min(errors, key=lambda o: o.elapsed_s)
+        first = min(errors, key=lambda o: o.failed_at or 0.0)
         raise RankFailed(first.rank, f"raised (exit codes {codes})", first.error or "")
     dead = [o for o in outcomes if o.exitcode not in (0, None)]
     if dead:

@@ -181,3 +181,25 @@ def register_one_liner() -> dict:
     for p, q in zip(ddp.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     return state.stats.as_dict()
+
+
+def fail_on_rank(bad: int) -> None:
+    if dist.get_rank() == bad:
+        raise ValueError(f"boom from rank {bad}")
+    dist.barrier()
+
+
+def sleep_forever() -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def die_on_rank(bad: int) -> None:
+    import os
+    import signal
+
+    dist.barrier()
+    if dist.get_rank() == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
