@@ -7,15 +7,35 @@ that pays off. One line to use it::
     state = hiersync.register(ddp_model, optimizer, period=4)
 
 or, equivalently, ``ddp_model.register_comm_hook(hiersync.HierState(period=4), hiersync.hook)``.
+
+The torch-dependent names are imported on first use, so the pure parts
+(``hiersync.costmodel``, ``python -m hiersync plan``) start without importing torch.
 """
 
 from __future__ import annotations
 
-from .collectives import HierSyncError
-from .hook import HierState, hook, register
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .schedule import Schedule
 from .stats import Stats
 from .topology import Topology
 
+if TYPE_CHECKING:
+    from .collectives import HierSyncError
+    from .ddp_hook import HierState, hook, register
+
 __all__ = ["HierState", "hook", "register", "Topology", "Schedule", "Stats", "HierSyncError"]
 __version__ = "0.1.0"
+
+_LAZY = {"HierState": "ddp_hook", "hook": "ddp_hook", "register": "ddp_hook", "HierSyncError": "collectives"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        for other, where in _LAZY.items():
+            if where == _LAZY[name]:
+                globals()[other] = getattr(module, other)
+        return globals()[name]
+    raise AttributeError(f"module 'hiersync' has no attribute {name!r}")

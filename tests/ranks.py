@@ -203,3 +203,194 @@ def die_on_rank(bad: int) -> None:
     if dist.get_rank() == bad:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+# ---------------------------------------------------------------- period k (local SGD)
+def _node_group(topo: hiersync.Topology):
+    mine = None
+    for node in topo.nodes:
+        g = dist.new_group(list(node))
+        if dist.get_rank() in node:
+            mine = g
+    return mine
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in params])
+
+
+def _write(params, flat: torch.Tensor) -> None:
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+
+
+class Reference:
+    """Hand-written hierarchical local SGD on a plain module: the oracle for the hook."""
+
+    def __init__(self, module, cfg, topo) -> None:
+        self.m = module
+        self.cfg = cfg
+        self.node = _node_group(topo)
+        self.L = len(topo.node_ranks(dist.get_rank()))
+        self.W = dist.get_world_size()
+        self.opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        self.anchor = None
+        self.mom = None
+        self.pending = None
+        self.max_delta = 0.0
+
+    def average(self) -> torch.Tensor:
+        params = list(self.m.parameters())
+        x = _flat(params)
+        compress, outer = self.cfg.get("compress"), self.cfg.get("outer")
+        if compress:
+            delta = (x - self.anchor).to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[compress])).float()
+            self.max_delta = max(self.max_delta, float((x - self.anchor).abs().max()))
+            dist.all_reduce(delta)
+            avg = self.anchor + delta / self.W
+        else:
+            avg = x.clone()
+            dist.all_reduce(avg)
+            avg /= self.W
+        if outer:
+            lr, mu = outer
+            g = self.anchor - avg
+            if mu:
+                self.mom = g.clone() if self.mom is None else self.mom.mul_(mu).add_(g)
+                g = g + mu * self.mom
+            avg = self.anchor - lr * g
+        if self.anchor is not None:
+            self.anchor = avg.clone()
+        return avg
+
+    def step(self, step: int, kind: str, accum: int) -> None:
+        mode = self.cfg["mode"]
+        params = list(self.m.parameters())
+        for micro in range(accum):
+            x, y = batch(step, micro)
+            torch.nn.functional.mse_loss(self.m(x), y).backward()
+        for p in params:
+            if kind == "exact":
+                dist.all_reduce(p.grad)
+                p.grad /= self.W
+            elif self.L > 1:
+                dist.all_reduce(p.grad, group=self.node)
+                p.grad /= self.L
+        if kind != "exact" and self.anchor is None and (self.cfg.get("compress") or self.cfg.get("outer")):
+            self.anchor = _flat(params)
+        if kind == "sync" and mode == "pure":
+            _write(params, self.average())
+        self.opt.step()
+        self.opt.zero_grad()
+        if mode == "overlap" and self.pending is not None:
+            _write(params, _flat(params) + self.pending)
+            self.pending = None
+        if kind == "sync" and mode == "attached":
+            _write(params, self.average())
+        if kind == "sync" and mode == "overlap":
+            snap = _flat(params)
+            self.pending = self.average() - snap
+
+
+def localsgd_check(cfg: dict) -> dict:
+    """Train hiersync period k next to the Reference (and DDP default during warmup).
+
+    Checks after every step: intra-node replicas bitwise identical; hiersync == Reference;
+    steps < warmup == DDP default; with an attached optimizer (no overlap) all ranks
+    identical right after each sync step. Returns what happened for the caller's asserts.
+    """
+    from hiersync.schedule import Schedule
+
+    mode, period, warmup = cfg["mode"], cfg["period"], cfg.get("warmup", 0)
+    steps, accum = cfg["steps"], cfg.get("accum", 1)
+    topo = hiersync.Topology.detect()
+    torch.manual_seed(0)
+    model = Net()
+    ref = Reference(copy.deepcopy(model), cfg, topo)
+    plain = DDP(copy.deepcopy(model))
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    ddp = DDP(model, **cfg.get("ddp", {}))
+    outer = cfg.get("outer")
+    state = hiersync.HierState(
+        period, warmup, overlap=mode == "overlap", compress=cfg.get("compress"),
+        outer_lr=outer[0] if outer else None, outer_momentum=outer[1] if outer else 0.0,
+    )
+    ddp.register_comm_hook(state, hiersync.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if mode != "pure":
+        state.attach_optimizer(opt)
+    sched = Schedule(period, warmup)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    same_node = [r for r in range(W) if topo.node_of(r) == topo.node_of(rank)]
+    worst = 0.0
+    nodes_differed = False
+    for step in range(steps):
+        kind = sched.kind(step)
+        train(ddp, opt, 1, accum, start=step)
+        ref.step(step, kind, accum)
+        mine = _flat(ddp.parameters())
+        everyone = [torch.empty_like(mine) for _ in range(W)]
+        dist.all_gather(everyone, mine)
+        for r in same_node:
+            assert torch.equal(everyone[r], mine), f"step {step}: rank {r} differs from rank {rank} on one node"
+        if mode == "attached" and kind == "sync":
+            for r in range(W):
+                assert torch.equal(everyone[r], mine), f"step {step} (sync): rank {r} != rank {rank}"
+        if kind == "local" and any(not torch.equal(everyone[r], mine) for r in range(W)):
+            nodes_differed = True
+        if step < warmup:
+            train(plain, plain_opt, 1, accum, start=step)
+            torch.testing.assert_close(mine, _flat(plain.parameters()), rtol=1e-5, atol=1e-6)
+        diff = float((mine - _flat(ref.m.parameters())).abs().max())
+        worst = max(worst, diff)
+        if not cfg.get("compress"):
+            torch.testing.assert_close(
+                mine, _flat(ref.m.parameters()), rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} ({kind}): {m}"
+            )
+    return {
+        "sync_steps": list(state.stats.recent_sync_steps),
+        "expected_sync_steps": [s for s in range(steps) if sched.is_sync(s)],
+        "stats": state.stats.as_dict(),
+        "worst_vs_reference": worst,
+        "max_delta": ref.max_delta,
+        "nodes_differed": nodes_differed,
+        "param_scale": float(_flat(ddp.parameters()).abs().max()),
+    }
+
+
+def _build(cfg: dict):
+    torch.manual_seed(0)
+    ddp = DDP(Net(), **cfg.get("ddp", {}))
+    outer = cfg.get("outer")
+    state = hiersync.HierState(
+        cfg["period"], cfg.get("warmup", 0), overlap=cfg["mode"] == "overlap", compress=cfg.get("compress"),
+        outer_lr=outer[0] if outer else None, outer_momentum=outer[1] if outer else 0.0,
+    )
+    ddp.register_comm_hook(state, hiersync.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if cfg["mode"] != "pure":
+        state.attach_optimizer(opt)
+    return ddp, opt, state
+
+
+def checkpoint_run(cfg: dict, phase: str, folder: str, n: int) -> list:
+    """'straight': 2n steps. 'first': n steps then save. 'resume': load, then n more steps."""
+    import os
+
+    ddp, opt, state = _build(cfg)
+    path = os.path.join(folder, f"ckpt-rank{dist.get_rank()}.pt")
+    if phase == "straight":
+        train(ddp, opt, 2 * n, cfg.get("accum", 1))
+    elif phase == "first":
+        train(ddp, opt, n, cfg.get("accum", 1))
+        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hier": state.state_dict()}, path)
+    else:
+        ckpt = torch.load(path, weights_only=False)
+        ddp.module.load_state_dict(ckpt["model"])  # after DDP's construction-time broadcast
+        opt.load_state_dict(ckpt["opt"])
+        state.load_state_dict(ckpt["hier"])
+        train(ddp, opt, n, cfg.get("accum", 1), start=n)
+    return _flat(ddp.parameters()).tolist()

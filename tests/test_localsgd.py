@@ -1,0 +1,96 @@
+"""period=k: hierarchical local SGD against a hand-written reference (2x2 unless said).
+
+``ranks.localsgd_check`` asserts after every step, on every rank: intra-node replicas are
+bitwise identical; hiersync equals the reference (rtol 1e-5 without compression); steps
+< warmup equal DDP's default; with an attached optimizer (no overlap) all ranks are
+bitwise identical right after each sync step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ranks
+from conftest import TOPOLOGIES, launch
+
+CASES = {
+    "pure": dict(mode="pure", period=3, warmup=2, steps=9),
+    "attached": dict(mode="attached", period=3, warmup=2, steps=9),
+    "overlap": dict(mode="overlap", period=3, warmup=1, steps=9),
+    "pure_no_sync": dict(mode="pure", period=2, warmup=1, steps=6, accum=2),
+    "attached_no_sync": dict(mode="attached", period=2, warmup=1, steps=6, accum=2),
+    "outer_nesterov": dict(mode="attached", period=2, steps=7, outer=(0.7, 0.9)),
+    "pure_outer_nesterov": dict(mode="pure", period=2, steps=7, outer=(0.7, 0.9)),
+    "bucket_view_static_graph": dict(
+        mode="pure", period=2, steps=6, ddp={"gradient_as_bucket_view": True, "static_graph": True}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_2x2(case):
+    cfg = CASES[case]
+    res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
+    for r in res:
+        # the schedule: sync steps are exactly (s - W + 1) % k == 0 after warmup
+        assert r["sync_steps"] == r["expected_sync_steps"] != []
+        assert r["stats"]["steps"] == cfg["steps"]
+        assert r["stats"]["exact_steps"] == min(cfg.get("warmup", 0), cfg["steps"])
+        assert r["nodes_differed"], "between syncs the nodes should drift apart"
+        assert r["stats"]["bytes_sent"]["inter"] > 0
+
+
+@pytest.mark.parametrize("name", ["noncontiguous", "uneven", "2x1"])
+@pytest.mark.parametrize("mode", ["pure", "attached"])
+def test_matches_reference_other_topologies(name, mode):
+    cfg = dict(mode=mode, period=2, warmup=1, steps=5)
+    res = launch(ranks.localsgd_check, TOPOLOGIES[name], cfg)
+    assert res[0]["sync_steps"] == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(mode="attached", period=2, steps=6, compress="bf16"),
+        dict(mode="pure", period=2, steps=6, compress="fp16"),
+        dict(mode="overlap", period=2, steps=7, compress="bf16", outer=(0.7, 0.9)),
+    ],
+    ids=["attached_bf16", "pure_fp16", "overlap_bf16_outer"],
+)
+def test_compression_error_is_bounded_by_the_delta(cfg):
+    res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
+    eps = torch.finfo(torch.bfloat16 if cfg["compress"] == "bf16" else torch.float16).eps
+    for r in res:
+        # within a few roundings of the *delta* ...
+        assert r["worst_vs_reference"] <= 4 * eps * r["max_delta"], r
+        # ... and far below what rounding the parameters themselves to 16 bits would cost
+        assert r["worst_vs_reference"] < 0.25 * eps * r["param_scale"], r
+
+
+def test_local_steps_send_nothing_across_nodes():
+    cfg = dict(mode="attached", period=100, steps=4)
+    res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
+    assert res[0]["stats"]["bytes_sent"]["inter"] == 0
+    assert res[0]["stats"]["local_steps"] == 4
+
+
+CKPT_CASES = {
+    "pure": dict(mode="pure", period=3, warmup=1),
+    "attached": dict(mode="attached", period=3, warmup=1),
+    "overlap": dict(mode="overlap", period=2, warmup=1),
+    "overlap_bf16_outer": dict(mode="overlap", period=2, compress="bf16", outer=(0.7, 0.9)),
+    "pure_bf16_outer": dict(mode="pure", period=2, compress="bf16", outer=(0.7, 0.9)),
+}
+
+
+@pytest.mark.parametrize("case", list(CKPT_CASES))
+def test_checkpoint_resume_in_new_processes_is_exact(case, tmp_path):
+    cfg = CKPT_CASES[case]
+    n = 4  # overlap/period 2: the save lands with a correction in flight
+    ids = TOPOLOGIES["2x2"]
+    straight = launch(ranks.checkpoint_run, ids, cfg, "straight", str(tmp_path), n)
+    launch(ranks.checkpoint_run, ids, cfg, "first", str(tmp_path), n)
+    resumed = launch(ranks.checkpoint_run, ids, cfg, "resume", str(tmp_path), n)
+    for r in range(len(ids)):
+        assert resumed[r] == straight[r], f"rank {r} diverged after resume"
