@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from .stats import INTER, INTRA, Stats
 from .topology import Groups
 
-__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed"]
+__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait"]
 
 
 class HierSyncError(RuntimeError):
@@ -65,6 +65,38 @@ def _forward(src: torch.futures.Future, dst: torch.futures.Future, phase: str) -
         dst.set_result(src.value())
     except Exception as e:  # noqa: BLE001 - re-raised in the consumer with context
         dst.set_exception(_wrap(e, phase))
+
+
+def _after(fut: torch.futures.Future, value: Callable[[], object]) -> torch.futures.Future:
+    """``fut.then(...)`` returning ``value()``, but re-raising ``fut``'s error first.
+
+    A ``then`` callback runs even when its parent failed; one that ignores its argument
+    would turn a failed collective into a silently wrong result.
+    """
+
+    def cb(f: torch.futures.Future) -> object:
+        f.value()
+        return value()
+
+    return fut.then(cb)
+
+
+def wait(fut: torch.futures.Future):
+    """``fut.wait()``, raising a failed hiersync collective as :class:`HierSyncError`.
+
+    torch re-wraps an error raised in a ``then`` callback into a plain ``RuntimeError``
+    whose text contains the original; this recovers the hiersync message and type.
+    """
+    try:
+        return fut.wait()
+    except HierSyncError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        text = str(e)
+        marker = "HierSyncError: "
+        if marker in text:
+            raise HierSyncError(text[text.index(marker) + len(marker) :]) from e
+        raise
 
 
 def _wrap(e: BaseException, phase: str) -> BaseException:
@@ -183,8 +215,13 @@ class HierComm:
 
     # ------------------------------------------------------------- helpers
     def _phase(self, what: str) -> str:
+        """``what`` plus the step context, this rank and the ranks of the groups involved."""
+        g, topo = self.groups, self.topology
+        node = list(topo.node_ranks(g.rank))
+        rail = list(topo.rail(g.local_rank))
         ctx = self.label()
-        return f"{what} ({ctx}, rank {self.groups.rank})" if ctx else f"{what} (rank {self.groups.rank})"
+        where = f"rank {g.rank}, node ranks {node}, rail ranks {rail}"
+        return f"{what} ({ctx}; {where})" if ctx else f"{what} ({where})"
 
     @staticmethod
     def _chain(fut: torch.futures.Future, phase: str, device: torch.device) -> torch.futures.Future:
@@ -255,7 +292,7 @@ class HierComm:
         ar = self._seq_rail.submit(rs, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         self.stats.record(INTRA, "all_gather", L, flat.numel() * esize)
         ag = self._seq_late.submit(ar, gather_leg, tensor.device, self._phase("intra all-gather"))
-        return ag.then(lambda _: flat if flat is tensor else flat[:n])
+        return _after(ag, lambda: flat if flat is tensor else flat[:n])
 
     def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -290,7 +327,7 @@ class HierComm:
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
-        return red.then(lambda _: tensor)
+        return _after(red, lambda: tensor)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` with one all-reduce over the world (what DDP's default does)."""
@@ -348,7 +385,7 @@ class HierComm:
                 raise _wrap(e, phase) from e
         ar = self._chain(ar, phase, flat.device)
         if L == 1:
-            return ar.then(lambda _: flat.copy_(shard))
+            return _after(ar, lambda: flat.copy_(shard))
 
         def gather_leg() -> torch.futures.Future:
             with record_function("hiersync/intra_param_all_gather"):
@@ -357,8 +394,8 @@ class HierComm:
         self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
         ag = self._seq_late.submit(ar, gather_leg, flat.device, self._phase("intra parameter all-gather"))
         if padded is flat:
-            return ag.then(lambda _: flat)
-        return ag.then(lambda _: flat.copy_(padded[:n]))
+            return _after(ag, lambda: flat)
+        return _after(ag, lambda: flat.copy_(padded[:n]))
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -383,7 +420,7 @@ class HierComm:
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
-        return ready.then(lambda _: flat)
+        return _after(ready, lambda: flat)
 
     def barrier_free_flush(self) -> None:
         """Wait until every launched leg has been issued (used before tearing down)."""

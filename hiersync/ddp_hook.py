@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .collectives import HierComm, HierSyncError, _new_future
+from .collectives import HierComm, HierSyncError, _new_future, wait
 from .localsgd import ParamAverager, Pending
 from .schedule import EXACT, LOCAL, SYNC, Schedule
 from .stats import Stats
@@ -199,7 +199,7 @@ class HierState:
         with torch.no_grad(), record_function("hiersync/synchronize"):
             for chunk in _chunks(tensors, self.chunk_bytes):
                 flat = torch.cat([t.detach().reshape(-1).float() for t in chunk])
-                flat = self.comm.allreduce(flat).wait()
+                flat = wait(self.comm.allreduce(flat))
                 offset = 0
                 for t in chunk:
                     t.copy_(flat[offset : offset + t.numel()].view(t.shape))
@@ -270,7 +270,9 @@ class HierState:
 
     # ------------------------------------------------------------------ hook body
     def _label(self) -> str:
-        return f"step {self.step}, {self._kind or 'after optimizer.step'}"
+        if self._kind is None:  # between backward passes: the sync after optimizer.step()
+            return f"step {self.step - 1}, sync after optimizer.step()"
+        return f"step {self.step}, {self._kind} step"
 
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         if self._kind is None:
@@ -296,7 +298,9 @@ class HierState:
                 fut = out
         if bucket.is_last():
             self._end_step(kind)
-        return fut
+        # Futures failed through set_exception only raise in Python; re-raising inside a
+        # ``then`` callback marks the C++ future as failed, so DDP's backward() raises it.
+        return fut.then(_value)
 
     def _begin_step(self) -> None:
         if self.world_size != dist.get_world_size():
@@ -441,7 +445,7 @@ class HierState:
                 return
             futs = [self.averager.launch([self.averager.params[i] for i in idx]) for idx in chunks]
             for idx, fut in zip(chunks, futs):
-                self.averager.write(idx, fut.wait())
+                self.averager.write(idx, wait(fut))
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -464,6 +468,10 @@ class HierState:
                 f"attach_optimizer: the optimizer does not own {len(missing)} of the model's parameters "
                 f"(shapes {missing[:3]}...); build the optimizer from ddp_model.parameters()"
             )
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.value()
 
 
 def _chunks(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:

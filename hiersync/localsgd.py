@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-from .collectives import HierComm
+from .collectives import HierComm, wait
 
 __all__ = ["ParamAverager", "Pending"]
 
@@ -57,7 +57,7 @@ class Pending:
         """Wait for the transfer and return the fp32 correction to add to the parameters."""
         if self.correction is None:
             assert self.future is not None and self.snapshot is not None
-            target = self.future.wait()
+            target = wait(self.future)
             self.correction = target.sub_(self.snapshot)
             self.snapshot = None
             self.future = None

@@ -6,6 +6,8 @@ Shared by the multi-process tests. Models are tiny: the machine has two cores.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 import copy
 
 import torch
@@ -394,3 +396,61 @@ def checkpoint_run(cfg: dict, phase: str, folder: str, n: int) -> list:
         state.load_state_dict(ckpt["hier"])
         train(ddp, opt, n, cfg.get("accum", 1), start=n)
     return _flat(ddp.parameters()).tolist()
+
+
+# ---------------------------------------------------------------- reliability
+def die_mid_training(
+    victim: int, die_at: int, period: int, timeout_s: float, how: str = "kill", pure: bool = False, folder: str = ""
+) -> None:
+    """Train; ``victim`` SIGKILLs (or SIGSTOPs) itself at step ``die_at``; survivors must raise.
+
+    Each survivor writes the wall-clock time of the failure's start to ``folder``.
+    """
+    import os
+    import signal
+    import time
+
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    hiersync.register(ddp, None if pure else opt, period=period, timeout=timeout_s)
+    for step in range(die_at + 3 * period + 2):
+        if step == die_at:
+            if folder:
+                with open(os.path.join(folder, f"t_die-{dist.get_rank()}"), "w") as f:
+                    f.write(repr(time.time()))
+            if dist.get_rank() == victim:
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            time.sleep(0.5)  # the victim is gone (or frozen) before the next collective
+        train(ddp, opt, 1, start=step)
+
+
+def nan_check(mode: str, period: int, warmup: int, nan_steps: list[int], steps: int) -> dict:
+    """Rank 1 produces NaN gradients at ``nan_steps``; no parameter may ever be non-finite."""
+    from hiersync.schedule import Schedule
+
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, warmup_steps=warmup)
+    sched = Schedule(period, warmup)
+    unchanged_on_skip = []
+    for step in range(steps):
+        before = _flat(ddp.parameters())
+        train(ddp, opt, 1, start=step, nan_at=lambda s: s in nan_steps and dist.get_rank() == 1)
+        after = _flat(ddp.parameters())
+        assert bool(torch.isfinite(after).all()), f"step {step}: non-finite parameters on rank {dist.get_rank()}"
+        everyone = [torch.empty_like(after) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, after)
+        assert all(bool(torch.isfinite(t).all()) for t in everyone)
+        if step in nan_steps and sched.kind(step) == "local" and mode != "pure":
+            unchanged_on_skip.append(torch.equal(before, after))
+    return {"stats": state.stats.as_dict(), "unchanged_on_skip": unchanged_on_skip}
+
+
+def nan_raise() -> None:
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    hiersync.register(ddp, opt, period=1, nonfinite="raise")
+    train(ddp, opt, 3, nan_at=lambda s: s == 1 and dist.get_rank() == 0)

@@ -1,0 +1,72 @@
+"""Reliability: dead or frozen peers never hang the job; NaN/Inf never reach parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+import ranks
+from conftest import TOPOLOGIES
+from hiersync._launch import run_all
+
+TIMEOUT_S = 4.0  # HierState(timeout=...) for these tests
+MARGIN_S = 10.0  # the local steps before the next sync, on 2 busy cores
+
+
+def _seconds_to_fail(outcome, folder) -> float:
+    """From the moment the victim died (or froze) to the moment this survivor raised."""
+    t_die = float((folder / f"t_die-{outcome.rank}").read_text())
+    return outcome.failed_at - t_die
+
+
+@pytest.mark.parametrize(
+    "die_at, pure",
+    [(5, False), (7, False), (7, True)],
+    ids=["local_step", "sync_step_attached", "sync_step_pure_hook"],
+)
+def test_killed_peer_makes_every_survivor_raise(die_at, pure, tmp_path):
+    # period 4: step 7 is a sync step, step 5 a local one
+    outs = run_all(
+        ranks.die_mid_training, 4, (1, die_at, 4, TIMEOUT_S, "kill", pure, str(tmp_path)),
+        node_ids=TOPOLOGIES["2x2"], timeout=90, pg_timeout=TIMEOUT_S, fail_fast=False,
+    )
+    assert outs[1].exitcode == -9
+    for o in (outs[0], outs[2], outs[3]):
+        assert o.exitcode == 1, (o.rank, o.exitcode, o.error)
+        assert "hiersync" in o.error and "step " in o.error and "rank" in o.error, o.error
+        assert _seconds_to_fail(o, tmp_path) < TIMEOUT_S + MARGIN_S, (o.rank, o.elapsed_s)
+
+
+def test_frozen_peer_times_out_instead_of_hanging(tmp_path):
+    outs = run_all(
+        ranks.die_mid_training, 4, (1, 5, 2, TIMEOUT_S, "stop", False, str(tmp_path)),
+        node_ids=TOPOLOGIES["2x2"], timeout=90, pg_timeout=TIMEOUT_S, fail_fast=False,
+    )
+    assert outs[1].exitcode is None  # frozen until the launcher killed it
+    for o in (outs[0], outs[2], outs[3]):
+        assert o.exitcode == 1, (o.rank, o.exitcode, o.error)
+        assert "hiersync" in o.error, o.error
+        assert _seconds_to_fail(o, tmp_path) < TIMEOUT_S + MARGIN_S, (o.rank, o.elapsed_s)
+
+
+@pytest.mark.parametrize("mode", ["attached", "pure", "overlap"])
+def test_nan_never_reaches_parameters(mode):
+    # warmup 2 (exact), period 3: steps 2, 3 local, 4 sync, 5, 6 local, 7 sync
+    nan_steps = [1, 3, 4]
+    outs = run_all(
+        ranks.nan_check, 4, (mode, 3, 2, nan_steps, 9),
+        node_ids=TOPOLOGIES["2x2"], timeout=90, fail_fast=True,
+    )
+    res = [o.result for o in outs]
+    assert all(o.exitcode == 0 for o in outs), [o.error for o in outs]
+    # exact step 1: the world average is NaN, every rank skips; steps 3 and 4: only node 0 does
+    assert [r["stats"]["nonfinite_skips"] for r in res] == [3, 3, 1, 1]
+    assert [r["stats"]["nonfinite_sync_skips"] for r in res] == [1, 1, 0, 0]
+    if mode != "pure":
+        assert res[0]["unchanged_on_skip"] == [True]  # a skipped update leaves parameters as they were
+
+
+def test_nonfinite_raise_mode():
+    from hiersync._launch import RankFailed, run
+
+    with pytest.raises(RankFailed, match="non-finite gradient at step 1"):
+        run(ranks.nan_raise, 2, (), node_ids=[0, 1], timeout=60)
