@@ -133,6 +133,7 @@ class HierState:
         self.chunk_bytes = int(chunk_mb * 2**20)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        self._world_group = dist.group.WORLD  # the groups below die with it
         self.backend = str(dist.get_backend())
         self.topology = topology if topology is not None else Topology.detect(process_group)
         self.groups = self.topology.build_groups(process_group, timeout=timeout)
@@ -303,10 +304,12 @@ class HierState:
         return fut.then(_value)
 
     def _begin_step(self) -> None:
-        if self.world_size != dist.get_world_size():
+        if not dist.is_initialized() or dist.group.WORLD is not self._world_group:
+            now = dist.get_world_size() if dist.is_initialized() else "no"
             raise RuntimeError(
-                f"this HierState was built for world size {self.world_size} but the default process group "
-                f"now has {dist.get_world_size()}: build a new HierState after re-initializing the process group"
+                f"this HierState was built for another process group (world size {self.world_size}; now: {now} "
+                "ranks): its subgroups died with that group. Build a new HierState (and register the hook "
+                "again) after every init_process_group, e.g. after an elastic restart"
             )
         if self.overlap and self._optimizer is None:
             raise RuntimeError(
@@ -528,6 +531,12 @@ def register(
         raise TypeError(
             f"hiersync.register needs a DistributedDataParallel model, got {type(ddp_model).__name__}: "
             "wrap it first (DistributedDataParallel(model))"
+        )
+    ddp_group = getattr(ddp_model, "process_group", None)
+    if ddp_group is not None and dist.is_initialized() and ddp_group.size() != dist.get_world_size():
+        raise ValueError(
+            f"hiersync averages over the whole world ({dist.get_world_size()} ranks) but this DDP model "
+            f"syncs a process group of {ddp_group.size()} ranks; build DDP without process_group=..."
         )
     state = HierState(**options)
     state._model = ddp_model
