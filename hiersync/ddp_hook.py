@@ -151,6 +151,8 @@ class HierState:
         self._stepped_for = -1  # step count at the last optimizer.step() we acted on
         self._step_outputs: list[tuple[torch.futures.Future, torch.futures.Future]] = []
         self._skip_update = False
+        self._first_step = True  # first backward of this process: register every parameter
+        self._capture_pending = True  # anchors are captured on the first non-exact step
         self._device: torch.device | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_handles: list[Any] = []
@@ -281,16 +283,28 @@ class HierState:
         kind = self._kind
         assert kind is not None
         buf = bucket.buffer()
-        params = bucket.parameters()
-        self._check_bucket(buf, params)
-        indices = self.averager.register(params)
+        # bucket.parameters() builds a Python list per call: fetch it only when needed (the
+        # first step registers every parameter; later, only anchors and pure-hook syncs).
+        pure_sync = kind == SYNC and self._optimizer is None
+        capture = kind != EXACT and self._capture_pending and self.averager.needs_anchor
+        params = bucket.parameters() if (self._first_step or capture or pure_sync) else None
+        if self._first_step:
+            self._check_bucket(buf, params)
+            self.averager.register(params)
+        elif buf.device != self._device:
+            raise RuntimeError(
+                f"hiersync: gradient bucket on {buf.device} but earlier buckets were on {self._device}; "
+                "keep the whole model on one device per rank"
+            )
         with record_function(f"hiersync/hook_{kind}"):
             if kind == EXACT:
                 fut = self._exact(buf)
             else:
-                self.averager.capture_anchor(params)
+                if capture:
+                    self.averager.capture_anchor(params)
                 fut = self.comm.intra_allreduce(buf)
-                if kind == SYNC and self._optimizer is None:
+                if pure_sync:
+                    indices = self.averager.register(params)
                     pfut = self.averager.launch(params).then(lambda f: self.averager.write(indices, f.value()))
                     fut = torch.futures.collect_all([fut, pfut]).then(lambda f: f.value()[0].value())
             if self.nonfinite != "ignore":
@@ -335,6 +349,9 @@ class HierState:
             )
         self._last_kind = kind
         self._kind = None
+        self._first_step = False
+        if kind != EXACT:
+            self._capture_pending = False  # every parameter has been seen on a non-exact step
         self.step += 1
 
     def _finish_step(self, step: int, kind: str, outputs: list) -> None:
@@ -399,13 +416,13 @@ class HierState:
         return choice
 
     def _check_bucket(self, buf: torch.Tensor, params: list[torch.Tensor]) -> None:
+        devices = {p.device for p in params} | {buf.device}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"hiersync: parameters of one DDP bucket are on several devices {sorted(map(str, devices))}; "
+                "move the whole model to one device per rank (model.to(device)) before wrapping it in DDP"
+            )
         if self._device is None:
-            devices = {p.device for p in params} | {buf.device}
-            if len(devices) > 1:
-                raise RuntimeError(
-                    f"hiersync: parameters of one DDP bucket are on several devices {sorted(map(str, devices))}; "
-                    "move the whole model to one device per rank (model.to(device)) before wrapping it in DDP"
-                )
             self._device = buf.device
         elif buf.device != self._device:
             raise RuntimeError(
