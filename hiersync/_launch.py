@@ -95,8 +95,10 @@ def _child(
             dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         failed_at = time.time()  # lets the parent tell the root cause from its consequences
-        with open(os.path.join(tmpdir, f"error-{rank}"), "w") as f:
+        # tmp + rename: a rank killed while writing leaves no half-written report
+        with open(os.path.join(tmpdir, f"error-{rank}.tmp"), "w") as f:
             f.write(f"{failed_at!r}\n{traceback.format_exc()}")
+        os.replace(os.path.join(tmpdir, f"error-{rank}.tmp"), os.path.join(tmpdir, f"error-{rank}"))
         code = 1
     # Skip interpreter teardown: gloo's threads and a dead peer can make a graceful
     # destroy_process_group() hang; the parent only needs the result files.

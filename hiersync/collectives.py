@@ -99,6 +99,19 @@ def wait(fut: torch.futures.Future):
         raise
 
 
+def _span(name: str, fut: torch.futures.Future) -> torch.futures.Future:
+    """Show ``name`` in profiler traces from now until ``fut`` completes.
+
+    Later legs are launched from backend threads that the profiler does not record, so each
+    leg's range is opened here, on the calling thread, and closed by the future: the trace
+    shows how long every phase really took. Free when no profiler is running.
+    """
+    if not torch.autograd._profiler_enabled():
+        return fut
+    with record_function(name) as rf:
+        return rf._call_end_callbacks_on_future(fut)
+
+
 def _wrap(e: BaseException, phase: str) -> BaseException:
     if isinstance(e, HierSyncError):
         return e
@@ -250,13 +263,13 @@ class HierComm:
     def _flat(self, tensor: torch.Tensor, group, level: str, what: str) -> torch.futures.Future:
         size = dist.get_world_size(group)
         tensor.div_(size)
-        with record_function(f"hiersync/{level}_allreduce"):
-            self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
-            try:
-                fut = _async(dist.all_reduce(tensor, group=group, async_op=True))
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, self._phase(what)) from e
-        return self._chain(fut.then(lambda f: f.value()[0]), self._phase(what), tensor.device)
+        self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
+        try:
+            fut = _async(dist.all_reduce(tensor, group=group, async_op=True))
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, self._phase(what)) from e
+        fut = self._chain(fut.then(lambda f: f.value()[0]), self._phase(what), tensor.device)
+        return _span(f"hiersync/{level}_allreduce", fut)
 
     def _allreduce_two_level(self, tensor: torch.Tensor, L: int) -> torch.futures.Future:
         g = self.groups
@@ -272,26 +285,25 @@ class HierComm:
         esize = tensor.element_size()
         N = self.topology.num_nodes
         phase_rs = self._phase("intra reduce-scatter")
-        with record_function("hiersync/intra_reduce_scatter"):
-            self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
-            try:
-                rs = _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, phase_rs) from e
-        rs = self._chain(rs, phase_rs, tensor.device)
+        self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
+        try:
+            rs = _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, phase_rs) from e
+        rs = _span("hiersync/intra_reduce_scatter", self._chain(rs, phase_rs, tensor.device))
 
         def rail_leg() -> torch.futures.Future:
-            with record_function("hiersync/inter_allreduce"):
-                return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+            return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
 
         def gather_leg() -> torch.futures.Future:
-            with record_function("hiersync/intra_all_gather"):
-                return _async(_all_gather(flat, shard, group=g.intra_late, async_op=True))
+            return _async(_all_gather(flat, shard, group=g.intra_late, async_op=True))
 
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(rs, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
+        ar = _span("hiersync/inter_allreduce", ar)
         self.stats.record(INTRA, "all_gather", L, flat.numel() * esize)
         ag = self._seq_late.submit(ar, gather_leg, tensor.device, self._phase("intra all-gather"))
+        ag = _span("hiersync/intra_all_gather", ag)
         return _after(ag, lambda: flat if flat is tensor else flat[:n])
 
     def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
@@ -304,29 +316,28 @@ class HierComm:
         tensor.div_(self.world_size)
         if L > 1:
             phase = self._phase("intra reduce to the node leader")
-            with record_function("hiersync/intra_reduce"):
-                self.stats.record(INTRA, "reduce", L, nbytes)
-                try:
-                    red = _async(dist.reduce(tensor, dst=leader, group=g.intra, async_op=True))
-                except Exception as e:  # noqa: BLE001
-                    raise _wrap(e, phase) from e
-            red = self._chain(red, phase, tensor.device)
+            self.stats.record(INTRA, "reduce", L, nbytes)
+            try:
+                red = _async(dist.reduce(tensor, dst=leader, group=g.intra, async_op=True))
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, phase) from e
+            red = _span("hiersync/intra_reduce", self._chain(red, phase, tensor.device))
         else:
             red = completed(None, tensor.device)
         if g.is_leader and topo.num_nodes > 1:
             def leaders_leg() -> torch.futures.Future:
-                with record_function("hiersync/inter_allreduce"):
-                    return _async(dist.all_reduce(tensor, group=g.rail, async_op=True))
+                return _async(dist.all_reduce(tensor, group=g.rail, async_op=True))
 
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
+            red = _span("hiersync/inter_allreduce", red)
         if L > 1:
             def bcast_leg() -> torch.futures.Future:
-                with record_function("hiersync/intra_broadcast"):
-                    return _async(dist.broadcast(tensor, src=leader, group=g.intra_late, async_op=True))
+                return _async(dist.broadcast(tensor, src=leader, group=g.intra_late, async_op=True))
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
+            red = _span("hiersync/intra_broadcast", red)
         return _after(red, lambda: tensor)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
@@ -377,22 +388,21 @@ class HierComm:
         shard = padded[lo : lo + shard_len].clone()
         shard.div_(N)
         phase = self._phase("inter parameter all-reduce on the rail")
-        with record_function("hiersync/inter_param_allreduce"):
-            self.stats.record(INTER, "all_reduce", N, shard_len * esize)
-            try:
-                ar = _async(dist.all_reduce(shard, group=g.rail, async_op=True))
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, phase) from e
-        ar = self._chain(ar, phase, flat.device)
+        self.stats.record(INTER, "all_reduce", N, shard_len * esize)
+        try:
+            ar = _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(e, phase) from e
+        ar = _span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
         if L == 1:
             return _after(ar, lambda: flat.copy_(shard))
 
         def gather_leg() -> torch.futures.Future:
-            with record_function("hiersync/intra_param_all_gather"):
-                return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
+            return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
 
         self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
         ag = self._seq_late.submit(ar, gather_leg, flat.device, self._phase("intra parameter all-gather"))
+        ag = _span("hiersync/intra_param_all_gather", ag)
         if padded is flat:
             return _after(ag, lambda: flat)
         return _after(ag, lambda: flat.copy_(padded[:n]))
@@ -407,19 +417,19 @@ class HierComm:
         if g.is_leader:
             flat.mul_(L / self.world_size)
             phase = self._phase("inter parameter all-reduce among leaders")
-            with record_function("hiersync/inter_param_allreduce"):
-                self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
-                try:
-                    ready = self._chain(_async(dist.all_reduce(flat, group=g.rail, async_op=True)), phase, flat.device)
-                except Exception as e:  # noqa: BLE001
-                    raise _wrap(e, phase) from e
+            self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
+            try:
+                ready = self._chain(_async(dist.all_reduce(flat, group=g.rail, async_op=True)), phase, flat.device)
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(e, phase) from e
+            ready = _span("hiersync/inter_param_allreduce", ready)
         if L > 1:
             def bcast_leg() -> torch.futures.Future:
-                with record_function("hiersync/intra_param_broadcast"):
-                    return _async(dist.broadcast(flat, src=node[0], group=g.intra_late, async_op=True))
+                return _async(dist.broadcast(flat, src=node[0], group=g.intra_late, async_op=True))
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
+            ready = _span("hiersync/intra_param_broadcast", ready)
         return _after(ready, lambda: flat)
 
     def barrier_free_flush(self) -> None:

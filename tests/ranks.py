@@ -454,3 +454,17 @@ def nan_raise() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     hiersync.register(ddp, opt, period=1, nonfinite="raise")
     train(ddp, opt, 3, nan_at=lambda s: s == 1 and dist.get_rank() == 0)
+
+
+def profiled_step(period: int) -> list[str]:
+    """Names of the hiersync/... profiler ranges recorded during two steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    hiersync.register(ddp, opt, period=period)
+    train(ddp, opt, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train(ddp, opt, 2, start=1)
+    return sorted({e.name for e in prof.events() if e.name.startswith("hiersync/")})

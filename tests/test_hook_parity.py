@@ -32,3 +32,12 @@ def test_parity_other_exact_algorithms(algorithm):
 def test_register_one_liner():
     res = launch(ranks.register_one_liner, TOPOLOGIES["2x2"])
     assert res[0]["steps"] == 5
+
+
+def test_profiler_shows_each_phase():
+    exact = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 1)[0]
+    assert {"hiersync/hook_exact", "hiersync/intra_reduce_scatter", "hiersync/inter_allreduce",
+            "hiersync/intra_all_gather"} <= set(exact), exact
+    local = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 2)[0]
+    assert {"hiersync/hook_sync", "hiersync/hook_local", "hiersync/intra_allreduce",
+            "hiersync/sync_after_step", "hiersync/inter_param_allreduce"} <= set(local), local

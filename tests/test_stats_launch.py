@@ -51,9 +51,10 @@ def test_stats_bytes_uneven():
 def test_launcher_reraises_child_traceback_and_kills_peers():
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match="boom from rank 1") as info:
-        run(ranks.fail_on_rank, 3, (1,), timeout=60)
+        run(ranks.fail_on_rank, 3, (1,), timeout=600, pg_timeout=300)
     assert info.value.rank == 1
-    assert time.monotonic() - t0 < 30  # peers blocked in a barrier were killed, not waited for
+    # peers blocked in a barrier were killed, not left to time out after 300 s
+    assert time.monotonic() - t0 < 120
 
 
 def test_launcher_timeout_kills_everything():

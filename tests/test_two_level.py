@@ -31,3 +31,12 @@ def test_property_random_sizes_equal_flat(name, sizes):
 def test_low_precision_buckets_2x2(dtype):
     # Summation order differs from gloo's ring, so compare at the dtype's resolution.
     launch(ranks.allreduce_sizes_lowp, TOPOLOGIES["2x2"], [1, 5, 100, 1001], dtype)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    node_ids=st.lists(st.integers(min_value=0, max_value=2), min_size=2, max_size=4),
+    sizes=st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=12),
+)
+def test_property_random_layouts_and_sizes(node_ids, sizes):
+    launch(ranks.allreduce_sizes, node_ids, sizes)
