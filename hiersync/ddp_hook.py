@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .collectives import HierComm, HierSyncError, _new_future, wait
-from .localsgd import ParamAverager, Pending
+from .localsgd import ParamAverager, Pending, chunk_by_bytes
 from .schedule import EXACT, LOCAL, SYNC, Schedule
 from .stats import Stats
 from .topology import Topology
@@ -200,7 +200,8 @@ class HierState:
         self._apply_pending()
         tensors = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
         with torch.no_grad(), record_function("hiersync/synchronize"):
-            for chunk in _chunks(tensors, self.chunk_bytes):
+            for idx in chunk_by_bytes([t.numel() * 4 for t in tensors], self.chunk_bytes):
+                chunk = [tensors[i] for i in idx]
                 flat = torch.cat([t.detach().reshape(-1).float() for t in chunk])
                 flat = wait(self.comm.allreduce(flat))
                 offset = 0
@@ -492,21 +493,6 @@ class HierState:
 
 def _value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()
-
-
-def _chunks(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    cur: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        if cur and size + t.numel() * 4 > max_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(t)
-        size += t.numel() * 4
-    if cur:
-        out.append(cur)
-    return out
 
 
 def hook(state: HierState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -39,9 +39,28 @@ import torch
 
 from .collectives import HierComm, wait
 
-__all__ = ["ParamAverager", "Pending"]
+__all__ = ["ParamAverager", "Pending", "chunk_by_bytes"]
 
 logger = logging.getLogger(__name__)
+
+
+def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Group consecutive indices of ``sizes`` so each group holds at most ``max_bytes``.
+
+    A single item larger than ``max_bytes`` gets a group of its own.
+    """
+    out: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if cur and total + size > max_bytes:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += size
+    if cur:
+        out.append(cur)
+    return out
 
 
 @dataclass
@@ -208,19 +227,7 @@ class ParamAverager:
 
     def chunks(self, max_bytes: int) -> list[list[int]]:
         """Registry positions grouped into chunks of at most ``max_bytes`` of fp32 (>= 1 param)."""
-        out: list[list[int]] = []
-        cur: list[int] = []
-        size = 0
-        for i, p in enumerate(self.params):
-            b = p.numel() * 4
-            if cur and size + b > max_bytes:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += b
-        if cur:
-            out.append(cur)
-        return out
+        return chunk_by_bytes([p.numel() * 4 for p in self.params], max_bytes)
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict:

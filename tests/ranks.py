@@ -468,3 +468,27 @@ def profiled_step(period: int) -> list[str]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train(ddp, opt, 2, start=1)
     return sorted({e.name for e in prof.events() if e.name.startswith("hiersync/")})
+
+
+def synchronize_check(mode: str) -> dict:
+    """After local steps the nodes differ; synchronize() makes every rank equal the world mean."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    ddp = DDP(model, broadcast_buffers=False)  # buffers drift per rank too
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = hiersync.register(ddp, None if mode == "pure" else opt, period=50)
+    train(ddp, opt, 3)
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
+    mine = _flat(tensors)
+    mean = mine.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    differed = any(not torch.equal(t, mine) for t in everyone)
+    state.synchronize(ddp)
+    after = _flat(tensors)
+    dist.all_gather(everyone, after)
+    assert all(torch.equal(t, after) for t in everyone), "ranks differ after synchronize()"
+    torch.testing.assert_close(after, mean, rtol=1e-5, atol=1e-6)
+    return {"differed_before": differed}

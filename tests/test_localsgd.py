@@ -94,3 +94,9 @@ def test_checkpoint_resume_in_new_processes_is_exact(case, tmp_path):
     resumed = launch(ranks.checkpoint_run, ids, cfg, "resume", str(tmp_path), n)
     for r in range(len(ids)):
         assert resumed[r] == straight[r], f"rank {r} diverged after resume"
+
+
+@pytest.mark.parametrize("name", ["2x2", "uneven"])
+def test_synchronize_makes_every_rank_the_world_mean(name):
+    res = launch(ranks.synchronize_check, TOPOLOGIES[name], "attached")
+    assert res[0]["differed_before"]
