@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ranks
-from conftest import TOPOLOGIES, launch
+from harness import TOPOLOGIES, launch
 
 ALL_VARIANTS = list(ranks.DDP_VARIANTS)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ranks
-from conftest import TOPOLOGIES, launch
+from harness import TOPOLOGIES, launch
 
 CASES = {
     "pure": dict(mode="pure", period=3, warmup=2, steps=9),

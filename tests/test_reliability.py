@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ranks
-from conftest import TOPOLOGIES
+from harness import TOPOLOGIES
 from hiersync._launch import run_all
 
 TIMEOUT_S = 4.0  # HierState(timeout=...) for these tests

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import ranks
-from conftest import TOPOLOGIES, launch
+from harness import TOPOLOGIES, launch
 from hiersync._launch import RankFailed, run, run_all
 from hiersync.stats import collective_bytes
 

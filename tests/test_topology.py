@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ranks
-from conftest import launch
+from harness import launch
 from hiersync import Topology
 from hiersync.topology import parse_node_ids
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ranks
-from conftest import TOPOLOGIES, launch
+from harness import TOPOLOGIES, launch
 
 EDGE_SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 1000, 1001, 9999, 10_000]
 

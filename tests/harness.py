@@ -1,4 +1,5 @@
-"""Shared helpers for the multi-process tests.
+"""Shared helpers for the multi-process tests (imported by name: not a conftest.py,
+which would clash with benchmarks/conftest.py when pytest collects both folders).
 
 Every multi-process test goes through hiersync._launch.run: FileStore rendezvous (no
 ports), a process-group timeout, a wall-clock limit, and all ranks killed on the first
@@ -8,8 +9,6 @@ failure. Keep worlds <= 4 (6 at most) and models tiny: the machine has two cores
 from __future__ import annotations
 
 import warnings
-
-import pytest
 
 from hiersync._launch import run
 
@@ -28,8 +27,3 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 def launch(fn, node_ids, *args, timeout: float = 120.0, pg_timeout: float = 60.0, **kw):
     """Run ``fn(*args)`` on ``len(node_ids)`` ranks emulating ``node_ids``; return rank results."""
     return run(fn, len(node_ids), args, node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout, **kw)
-
-
-@pytest.fixture(params=list(TOPOLOGIES), ids=list(TOPOLOGIES))
-def topology(request):
-    return request.param, TOPOLOGIES[request.param]
