@@ -1,0 +1,419 @@
+"""``python -m hiersync collbench``: an nccl-tests-like all-reduce microbenchmark per level.
+
+For each message size it times, on the emulated cluster of :mod:`hiersync.testbed`:
+
+* ``intra``: all-reduce inside every node (all nodes at once), p = ranks per node;
+* ``rail``: all-reduce on every rail at once (local rank r of every node), p = nodes;
+* ``two_level``: hiersync's exact path (reduce-scatter, rail all-reduce, all-gather), p = world;
+* ``flat``: one all-reduce over the world (what DDP does by default), p = world;
+* ``two_level_bcast``: a *prototype*, not what hiersync runs: the two-level algorithm with
+  gloo-friendly intra legs (intra all-reduce, rail all-reduce of this rank's 1/L shard,
+  one intra broadcast per shard), because gloo's reduce-scatter and all-gather are several
+  times slower than its all-reduce on CPU. Same inter-node bytes as ``two_level``.
+
+Like nccl-tests, ``algbw = bytes / time`` and ``busbw = algbw * 2 (p - 1) / p``; the time is
+the slowest rank's mean over ``iters`` after ``warmup`` untimed iterations. In the same
+run the raw TCP throughput of the inter-node link is measured (one stream per rail, every
+direction at once, as the rails load it) as the ceiling. ``link MB/s`` is what each node
+pushes through its link per direction under the bandwidth-optimal algorithm, and
+``% link`` compares it with that ceiling.
+
+Example::
+
+    $ sudo python -m hiersync collbench                     # 4 KB..64 MB, ~30 s
+    $ sudo python -m hiersync collbench --full              # 4 KB..256 MB
+    $ python -m hiersync collbench --loopback --sizes 4K,1M
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._io import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+__all__ = ["OPS", "DEFAULT_SIZES", "FULL_SIZES", "parse_sizes", "worker", "busbw_factor", "format_table", "add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+OPS = ("intra", "rail", "two_level", "flat", "two_level_bcast")
+KB, MB = 1024, 1024 * 1024
+DEFAULT_SIZES = (4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB)
+FULL_SIZES = tuple(4 * KB * 4**i for i in range(10))  # 4 KB .. 1 GB -> trimmed below
+FULL_SIZES = tuple(s for s in FULL_SIZES if s <= 256 * MB)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"4K,64K,1M"`` or a range ``"4K:256M"`` (factor 4) into byte counts (multiples of 4)."""
+    def one(tok: str) -> int:
+        tok = tok.strip().upper().rstrip("B")
+        mult = {"K": KB, "M": MB, "G": 1024 * MB}.get(tok[-1:], 1)
+        num = tok[:-1] if tok[-1:] in ("K", "M", "G") else tok
+        try:
+            value = int(float(num) * mult)
+        except ValueError:
+            raise ValueError(f"size {tok!r} is not a byte count like 4K, 64M or 1048576") from None
+        if value < 4 or value % 4:
+            raise ValueError(f"size {tok!r} must be a positive multiple of 4 bytes (fp32 elements)")
+        return value
+
+    if ":" in text:
+        lo, hi = (one(t) for t in text.split(":", 1))
+        if hi < lo:
+            raise ValueError(f"sizes={text!r}: the range ends below its start")
+        out = []
+        s = lo
+        while s <= hi:
+            out.append(s)
+            s *= 4
+        return out
+    return [one(t) for t in text.split(",") if t.strip()]
+
+
+def busbw_factor(op_size: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth factor 2 (p - 1) / p."""
+    return 2.0 * (op_size - 1) / op_size if op_size > 1 else 0.0
+
+
+def _link_bytes(op: str, nbytes: int, nodes: int, per_node: int) -> float:
+    """Bytes each node sends through its inter-node link (per direction), bandwidth-optimal."""
+    if nodes < 2:
+        return 0.0
+    if op == "rail":
+        return per_node * busbw_factor(nodes) * nbytes
+    if op in ("two_level", "two_level_bcast"):
+        return busbw_factor(nodes) * nbytes
+    if op == "flat":
+        return busbw_factor(nodes * per_node) * nbytes  # one ring edge leaves each node
+    return 0.0
+
+
+# ---------------------------------------------------------------------------- worker
+def _tcp_throughput(topo: Any, rank: int, addr: str, nbytes: int) -> dict | None:
+    """Every rank streams ``nbytes`` to its rail peer on the next node while receiving from the previous one."""
+    import torch.distributed as dist
+
+    nodes = topo.num_nodes
+    if nodes < 2:
+        return None
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind((addr, 0))
+    srv.listen(4)
+    srv.settimeout(60)
+    ends: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(ends, (addr, srv.getsockname()[1]))
+    node, local = topo.node_of(rank), topo.local_rank(rank)
+    nxt = topo.nodes[(node + 1) % nodes]
+    peer = nxt[local] if local < len(nxt) else None
+    has_prev = local < len(topo.nodes[(node - 1) % nodes])
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        conn, _ = srv.accept()
+        accepted.append(conn)
+
+    acceptor = threading.Thread(target=accept, daemon=True) if has_prev else None
+    if acceptor is not None:
+        acceptor.start()
+    out = socket.create_connection(ends[peer], timeout=60) if peer is not None else None
+    if acceptor is not None:
+        acceptor.join(60)
+    chunk = memoryview(bytearray(4 * MB))
+    dist.barrier()
+    t0 = time.perf_counter()
+
+    def send() -> None:
+        left = nbytes
+        while left > 0 and out is not None:
+            n = min(left, len(chunk))
+            out.sendall(chunk[:n])
+            left -= n
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    got = 0
+    # Time the last 3/4 only: TCP slow start and the first burst through tbf's bucket
+    # are not the link's sustained rate.
+    mark, t_mark = nbytes // 4, t0
+    if accepted:
+        buf = bytearray(4 * MB)
+        conn = accepted[0]
+        while got < nbytes:
+            n = conn.recv_into(buf)
+            if n == 0:
+                break
+            if got < mark <= got + n:
+                t_mark = time.perf_counter()
+            got += n
+    elapsed = time.perf_counter() - t_mark
+    got -= mark if t_mark > t0 else 0
+    sender.join(120)
+    for s in [out, srv] + accepted:
+        if s is not None:
+            s.close()
+    results: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(results, (node, got, elapsed))
+    per_node = []
+    for n in range(nodes):
+        mine = [r for r in results if r[0] == n and r[1] > 0]
+        if mine:
+            per_node.append(sum(r[1] / r[2] for r in mine))  # concurrent streams: rates add up
+    return {"bytes_per_stream": nbytes, "streams_per_node": len(topo.nodes[0]), "node_MBps": [x / 1e6 for x in per_node],
+            "MBps": min(per_node) / 1e6 if per_node else None}
+
+
+def worker(config: dict) -> dict:
+    """Time every op at every size on this rank; rank 0's result is the report."""
+    import torch
+    import torch.distributed as dist
+
+    import hiersync
+    from hiersync.collectives import HierComm
+
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    topo = hiersync.Topology.detect()
+    groups = topo.build_groups()
+    comm = HierComm(groups)
+    addr = os.environ.get("HIERSYNC_TESTBED_ADDR", "127.0.0.1")
+    tcp = [_tcp_throughput(topo, rank, addr, int(config["tcp_bytes"]))]
+    L = len(topo.node_ranks(rank))
+    N = topo.num_nodes
+    sizes_of = {"intra": L, "rail": N, "two_level": world, "flat": world, "two_level_bcast": world}
+    groups_of = {"intra": groups.intra, "rail": groups.rail, "two_level": None, "flat": None}
+    node = topo.node_ranks(rank)
+    rows = []
+    for nbytes in config["sizes"]:
+        numel = nbytes // 4
+        iters = max(1, min(int(config["max_iters"]), int(config["budget_bytes"]) // nbytes))
+        for op in config["ops"]:
+            p = sizes_of[op]
+            if p < 2 or (op in ("intra", "rail", "two_level_bcast") and not topo.even):
+                continue
+            if op == "two_level_bcast" and (numel % L or L < 2 or N < 2):
+                continue
+            x = torch.ones(numel)
+
+            def once() -> None:
+                if op == "two_level":
+                    comm.allreduce(x).wait()
+                elif op == "two_level_bcast":
+                    shards = x.view(L, -1)
+                    dist.all_reduce(x, group=groups.intra)
+                    dist.all_reduce(shards[topo.local_rank(rank)], group=groups.rail)
+                    for i, src in enumerate(node):
+                        dist.broadcast(shards[i], src=src, group=groups.intra)
+                else:
+                    dist.all_reduce(x, group=groups_of[op])
+
+            for _ in range(int(config["warmup"])):
+                once()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                once()
+            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            sec = float(t)
+            algbw = nbytes / sec
+            link = _link_bytes(op, nbytes, N, L) / sec if topo.even else None
+            rows.append({
+                "op": op, "bytes": nbytes, "ranks": p, "concurrent": {"intra": N, "rail": L}.get(op, 1),
+                "iters": iters, "time_us": sec * 1e6, "algbw_GBps": algbw / 1e9,
+                "busbw_GBps": algbw * busbw_factor(p) / 1e9,
+                "link_MBps": link / 1e6 if link else None,
+            })
+            if rank == 0 and config.get("progress"):
+                with open(config["progress"], "a") as f:
+                    f.write(f"{op} {nbytes}\n")
+    tcp.append(_tcp_throughput(topo, rank, addr, int(config["tcp_bytes"])))
+    return {"rank": rank, "nodes": [list(n) for n in topo.nodes], "tcp": tcp, "rows": rows}
+
+
+# ---------------------------------------------------------------------------- report
+def _human(n: int) -> str:
+    for unit, div in (("G", 1024 * MB), ("M", MB), ("K", KB)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def ceiling_MBps(tcp: Sequence[dict | None]) -> float | None:
+    vals = [t["MBps"] for t in tcp if t and t.get("MBps")]
+    return max(vals) if vals else None
+
+
+def format_table(rows: Sequence[dict], tcp_MBps: float | None, markdown: bool = False) -> str:
+    head = ["size", "op", "p", "time us", "algbw GB/s", "busbw GB/s", "link MB/s", "% link"]
+    body = []
+    for r in rows:
+        link = r["link_MBps"]
+        pct = f"{100 * link / tcp_MBps:.0f}%" if link and tcp_MBps else "-"
+        body.append([_human(r["bytes"]), r["op"], str(r["ranks"]), f"{r['time_us']:.0f}", f"{r['algbw_GBps']:.4f}",
+                     f"{r['busbw_GBps']:.4f}", f"{link:.1f}" if link else "-", pct])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def _plot(rows: Sequence[dict], tcp_MBps: float | None, title: str) -> bytes | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("collbench: matplotlib is not installed (pip install 'hiersync[bench]'); no plot")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for op in OPS:
+        pts = [(r["bytes"], r["busbw_GBps"] * 1e3, r["link_MBps"]) for r in rows if r["op"] == op]
+        if not pts:
+            continue
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
+        if any(p[2] for p in pts):
+            axes[1].plot([p[0] for p in pts if p[2]], [p[2] for p in pts if p[2]], marker="o", label=op)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("busbw (MB/s)")
+    axes[0].set_title("busbw = algbw * 2(p-1)/p")
+    axes[1].set_ylabel("MB/s through each node's link (per direction)")
+    axes[1].set_title("inter-node link use")
+    if tcp_MBps:
+        axes[1].axhline(tcp_MBps, color="k", ls="--", label=f"raw TCP {tcp_MBps:.0f} MB/s")
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=None, help="e.g. 4K,64K,1M or a range 4K:256M (x4 steps)")
+    parser.add_argument("--full", action="store_true", help="4K..256M in x4 steps")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--max-iters", type=int, default=20)
+    parser.add_argument("--budget-mb", type=float, default=64.0, help="iterations per size = budget / size (1..max)")
+    parser.add_argument("--tcp-mb", type=float, default=32.0, help="MB per stream for the raw TCP ceiling")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--procs-per-node", type=int, default=2)
+    parser.add_argument("--inter-rate", default="800mbit")
+    parser.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback, links not shaped")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--results", default="results/collbench")
+    parser.add_argument("--no-plots", action="store_true")
+
+
+def make_config(args: argparse.Namespace) -> dict:
+    sizes = parse_sizes(args.sizes) if args.sizes else list(FULL_SIZES if args.full else DEFAULT_SIZES)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise ValueError(f"--ops={args.ops!r}: unknown ops {bad}; use a subset of {list(OPS)}")
+    for name in ("max_iters",):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--max-iters={args.max_iters} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if not args.budget_mb > 0 or not args.tcp_mb > 0:
+        raise ValueError(f"--budget-mb={args.budget_mb} and --tcp-mb={args.tcp_mb} must be > 0")
+    return {"sizes": sizes, "ops": ops, "warmup": args.warmup, "max_iters": args.max_iters,
+            "budget_bytes": int(args.budget_mb * MB), "tcp_bytes": int(args.tcp_mb * MB)}
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .testbed import run_ranks
+
+    config = make_config(args)
+    bar = None
+    with tempfile.TemporaryDirectory(prefix="hiersync-collbench-") as tmp:
+        prog = Path(tmp) / "progress"
+        config["progress"] = str(prog)
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(config["sizes"]) * len(config["ops"]), desc="collbench", unit="op", file=sys.stderr)
+        except ImportError:
+            pass
+        seen = [0]
+
+        def poll() -> None:
+            if bar is None or not prog.exists():
+                return
+            n = len(prog.read_text().splitlines())
+            if n > seen[0]:
+                bar.update(n - seen[0])
+                seen[0] = n
+
+        start = time.monotonic()
+        try:
+            results, info = run_ranks(
+                "hiersync.collbench:worker", config, nodes=args.nodes, procs_per_node=args.procs_per_node,
+                inter_rate=args.inter_rate, loopback=args.loopback, timeout=args.timeout, poll=poll,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.monotonic() - start
+    config.pop("progress")
+    rep = results[0]
+    tcp = ceiling_MBps(rep["tcp"])
+    d = Path(args.results)
+    raw = {"format": "hiersync.collbench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": wall,
+           "config": config, "testbed": info, "tcp": rep["tcp"], "tcp_ceiling_MBps": tcp, "rows": rep["rows"]}
+    paths = [atomic_write_json(d / "collbench.json", raw)]
+    buf = io.StringIO()
+    if rep["rows"]:
+        w = csv.DictWriter(buf, fieldnames=list(rep["rows"][0].keys()), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rep["rows"])
+    paths.append(atomic_write_text(d / "collbench.csv", buf.getvalue()))
+    summary = _summary(rep["rows"], tcp, info)
+    md = ["# hiersync collbench", "", info["describe"], "", format_table(rep["rows"], tcp, markdown=True), "", summary, ""]
+    paths.append(atomic_write_text(d / "collbench.md", "\n".join(md)))
+    if not args.no_plots:
+        png = _plot(rep["rows"], tcp, info["describe"])
+        if png:
+            paths.append(atomic_write_bytes(d / "busbw_vs_size.png", png))
+    # The CLI's final output: the table.
+    print(f"hiersync collbench on {info['describe']} ({wall:.0f} s)")
+    print(format_table(rep["rows"], tcp))
+    print(summary)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _summary(rows: Sequence[dict], tcp: float | None, info: dict) -> str:
+    if tcp is None:
+        return "raw TCP: not measured (a single node has no inter-node link)"
+    line = f"raw TCP throughput of the inter-node link (per direction, all rails at once): {tcp:.1f} MB/s"
+    if info.get("mode") != "netns":
+        line += " (loopback: links are NOT shaped)"
+    rail = [r for r in rows if r["op"] == "rail" and r["link_MBps"]]
+    if rail:
+        best = max(rail, key=lambda r: r["bytes"])
+        line += (f"\nrail all-reduce at {_human(best['bytes'])}: {best['link_MBps']:.1f} MB/s through each link "
+                 f"= {100 * best['link_MBps'] / tcp:.0f}% of raw TCP (target >= 90%)")
+    return line
