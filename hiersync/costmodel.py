@@ -326,12 +326,21 @@ def _two_level_stages(
     rails: int | None,
     inter_algorithm: str,
     efficiency: float,
+    rs_link: Link | None = None,
+    ag_link: Link | None = None,
 ) -> tuple[float, float, float]:
-    """(intra reduce-scatter, rail all-reduce of n/L, intra all-gather) in seconds."""
+    """(intra reduce-scatter, rail all-reduce of n/L, intra all-gather) in seconds.
+
+    ``rs_link`` / ``ag_link``: measured effective links of the node's reduce-scatter and
+    all-gather where they cost more than ``intra`` predicts (see :class:`Profile`).
+    """
     n = _check_number("nbytes", nbytes)
     n_nodes, lpn, _ = _check_topology(nodes, ranks_per_node, rails)
-    rs = reduce_scatter_time("ring", lpn, n, intra)
-    ag = all_gather_time("ring", lpn, n, intra)
+    if n_nodes == 1 and (rs_link is not None or ag_link is not None):
+        # hiersync runs one intra all-reduce then; with plain links RS + AG equals it anyway
+        return allreduce_time("ring", lpn, n, intra), 0.0, 0.0
+    rs = reduce_scatter_time("ring", lpn, n, rs_link or intra)
+    ag = all_gather_time("ring", lpn, n, ag_link or intra)
     ar = _rail_allreduce(n / lpn, n_nodes, rail_link(inter, lpn, rails), inter_algorithm, efficiency)
     return rs, ar, ag
 
@@ -346,15 +355,21 @@ def hierarchical_allreduce_time(
     inter_algorithm: str = "ring",
     *,
     efficiency: float = DEFAULT_TREE_EFFICIENCY,
+    reduce_scatter: Link | None = None,
+    all_gather: Link | None = None,
 ) -> float:
     """Seconds for hiersync's exact two-level all-reduce (one bucket, stages back to back).
 
     ``[(L-1) a_i + (L-1)/L n b_i]`` (intra reduce-scatter) ``+`` all-reduce of ``n / L``
     on the N ranks of each rail, all rails in parallel on a :func:`rail_link` ``+``
     ``[(L-1) a_i + (L-1)/L n b_i]`` (intra all-gather). ``inter_algorithm`` may be
-    ``"auto"`` (faster of ring and tree).
+    ``"auto"`` (faster of ring and tree). ``reduce_scatter`` / ``all_gather`` replace
+    ``intra`` in their stage with a measured effective link (a calibrated profile's
+    :attr:`Profile.intra_reduce_scatter` / :attr:`Profile.intra_all_gather`).
     """
-    return sum(_two_level_stages(nbytes, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency))
+    return sum(_two_level_stages(
+        nbytes, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, reduce_scatter, all_gather
+    ))
 
 
 def param_sync_time(
@@ -368,18 +383,22 @@ def param_sync_time(
     *,
     compress_ratio: float = 1.0,
     efficiency: float = DEFAULT_TREE_EFFICIENCY,
+    all_gather: Link | None = None,
 ) -> float:
     """Seconds for one inter-node parameter average of ``nbytes`` (period > 1 sync).
 
     Ranks of a node hold identical parameters, so no intra reduce is needed: each rank
     all-reduces its ``1/L`` shard on its rail, then the node all-gathers. ``compress_ratio``
     (0.5 for bf16 deltas of fp32 parameters) scales the bytes of both legs.
+    ``all_gather``: measured effective link of the all-gather (default ``intra``).
     """
     ratio = _check_number("compress_ratio", compress_ratio, strict=True)
+    if nodes == 1:
+        return 0.0
     _, ar, ag = _two_level_stages(
-        nbytes * ratio, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency
+        nbytes * ratio, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, None, all_gather
     )
-    return 0.0 if nodes == 1 else ar + ag
+    return ar + ag
 
 
 def _crossover(first: tuple[float, float], second: tuple[float, float]) -> float:
@@ -454,6 +473,15 @@ class Profile:
     """Short name (the preset's key, or e.g. the cluster's)."""
     source: str = ""
     """Where the numbers come from (publication, or the calibration command)."""
+    intra_reduce_scatter: Link | None = None
+    """Measured effective link of the node's reduce-scatter, where it costs more than
+    :attr:`intra` predicts; None: :attr:`intra`. torch's gloo backend, for one, runs
+    reduce-scatter as an all-reduce of a fresh copy of the whole input plus a copy out
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), about 2-3x the ring's cost.
+    ``python -m hiersync calibrate`` measures it."""
+    intra_all_gather: Link | None = None
+    """Measured effective link of the node's all-gather (gloo adds a flatten and a copy
+    out through freshly allocated memory); None: :attr:`intra`."""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
     """Free-form JSON-able details (fit quality, hostnames, versions)."""
 
@@ -461,6 +489,9 @@ class Profile:
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise TypeError(f"Profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
+        for name in ("intra_reduce_scatter", "intra_all_gather"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Link):
+                raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
         _check_topology(self.nodes, self.ranks_per_node, self.rails)
         _check_eta(self.tree_efficiency)
         if not isinstance(self.backend, str) or not self.backend:
@@ -482,6 +513,8 @@ class Profile:
             "tree_efficiency": self.tree_efficiency,
             "intra": self.intra.to_json(),
             "inter": self.inter.to_json(),
+            "intra_reduce_scatter": None if self.intra_reduce_scatter is None else self.intra_reduce_scatter.to_json(),
+            "intra_all_gather": None if self.intra_all_gather is None else self.intra_all_gather.to_json(),
             "source": self.source,
             "metadata": dict(self.metadata),
         }
@@ -507,6 +540,8 @@ class Profile:
             rails=obj.get("rails"),
             backend=obj.get("backend", "nccl"),
             tree_efficiency=obj.get("tree_efficiency", DEFAULT_TREE_EFFICIENCY),
+            intra_reduce_scatter=_optional_link(obj.get("intra_reduce_scatter")),
+            intra_all_gather=_optional_link(obj.get("intra_all_gather")),
             name=obj.get("name", ""),
             source=obj.get("source", ""),
             metadata=dict(obj.get("metadata") or {}),
@@ -521,6 +556,10 @@ class Profile:
         from hiersync._io import atomic_write_json
 
         return atomic_write_json(path, self.to_json())
+
+
+def _optional_link(obj: Mapping[str, Any] | None) -> Link | None:
+    return None if obj is None else Link.from_json(obj)
 
 
 _NCCL_SRC = "NCCL src/graph/tuning.cc hop latencies (Simple protocol)"
@@ -594,7 +633,10 @@ def choose_exact_algorithm(nbytes: float, nodes: int, ranks_per_node: int, profi
     algo = profile.flat_algorithm
     args = (nbytes, nodes, ranks_per_node, profile.intra, profile.inter, profile.rails)
     flat = flat_allreduce_time(*args, algo, efficiency=profile.tree_efficiency)
-    two = hierarchical_allreduce_time(*args, algo, efficiency=profile.tree_efficiency)
+    two = hierarchical_allreduce_time(
+        *args, algo, efficiency=profile.tree_efficiency, reduce_scatter=profile.intra_reduce_scatter,
+        all_gather=profile.intra_all_gather,
+    )
     return "two_level" if two < flat else "flat"
 
 
@@ -695,6 +737,7 @@ def step_time(
     if algo not in FLAT_ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(FLAT_ALGORITHMS)}")
     links = (profile.intra, profile.inter, profile.rails)
+    rs_link, ag_link = profile.intra_reduce_scatter, profile.intra_all_gather
 
     sizes = _bucket_sizes(g, b)
     ready, done = [], 0.0
@@ -711,11 +754,11 @@ def step_time(
             elif kind == "intra":
                 cache[key] = [("intra", allreduce_time("ring", lpn, n, profile.intra))]
             else:
-                rs, ar, ag = _two_level_stages(n, n_nodes, lpn, *links, algo, eta)
+                rs, ar, ag = _two_level_stages(n, n_nodes, lpn, *links, algo, eta, rs_link, ag_link)
                 if kind == "two_level":
                     cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
                 else:  # intra all-reduce of the gradient, then the bucket's parameter average
-                    _, ar, ag = _two_level_stages(n * ratio, n_nodes, lpn, *links, algo, eta)
+                    _, ar, ag = _two_level_stages(n * ratio, n_nodes, lpn, *links, algo, eta, None, ag_link)
                     cache[key] = chain("intra", n) + [("rail", ar), ("intra", ag)]
         return cache[key]
 
@@ -736,7 +779,9 @@ def step_time(
             if placement == "hook":
                 sync_comm, sync_exposed = run("sync")
             else:
-                sync_comm = param_sync_time(g, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta)
+                sync_comm = param_sync_time(
+                    g, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta, all_gather=ag_link
+                )
                 hidden = compute if placement == "overlap" else 0.0
                 sync_exposed = exposed + max(0.0, sync_comm - hidden)
                 sync_comm += comm

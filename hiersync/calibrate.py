@@ -1,0 +1,522 @@
+"""``python -m hiersync calibrate``: measure alpha and beta per level and write a profile.
+
+Sweeps message sizes with all-reduce on the *intra* groups (the ranks of each node, all
+nodes at once) and on the *rails* (the ranks with one local rank across nodes, all rails
+at once: that is how hiersync's two-level all-reduce loads the network), times a few
+repetitions of each size after a warmup (median, slowest rank), fits ``alpha`` and
+``beta`` per level with :func:`hiersync.costmodel.fit_link` (least squares on relative
+errors, R^2 reported) and writes a :class:`hiersync.costmodel.Profile` as JSON
+atomically. The planner (``--profile``) and ``HierState(algorithm="auto", profile=...)``
+read that file.
+
+Two ways to run it:
+
+* on a real cluster under ``torchrun`` (the process group comes from ``env://``; NCCL
+  with tensors on ``cuda:LOCAL_RANK`` when CUDA is available, else gloo);
+* on one machine with ``--nodes N --procs-per-node L``: ranks are forked locally and
+  ``HIERSYNC_NODE_IDS`` makes them N emulated nodes (all links are loopback then).
+
+Only rank 0 writes the file and prints the fitted table.
+
+Example::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 \\
+        -m hiersync calibrate --out profile.json
+    python -m hiersync calibrate --nodes 2 --procs-per-node 2 --out profile.json
+    python -m hiersync testbed --nodes 2 --procs-per-node 2 --inter-rate 800mbit -- \\
+        -m hiersync calibrate --rails 1 --out profile.json
+
+    >>> points = {"intra": [(4096, 1e-4), (2**20, 5e-4)], "inter": [(4096, 2e-4), (2**20, 9e-3)]}
+    >>> profile, fits = fit_profile(points, nodes=2, ranks_per_node=2, backend="gloo")
+    >>> round(fits["inter"].r2, 3)
+    1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from hiersync import costmodel as cm
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+__all__ = [
+    "QUICK_SIZES",
+    "FULL_SIZES",
+    "LEVELS",
+    "INTRA_COLLECTIVES",
+    "SweepConfig",
+    "time_op",
+    "time_ops",
+    "sweep",
+    "fit_profile",
+    "format_fits",
+    "calibrate",
+    "add_arguments",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+KIB, MIB = 2**10, 2**20
+# Every power of two from 4 KiB to 256 MiB: alpha dominates below ~10-25 KB on slow
+# links, beta above ~1 MB on fast ones (docs/costmodel.md "Fitting alpha and beta").
+FULL_SIZES: tuple[int, ...] = tuple(4 * KIB * 2**i for i in range(17))
+# Every fourth power of two up to 64 MiB: enough points on both sides of the
+# alpha/beta knee, and it finishes in well under a minute on a two-core laptop.
+QUICK_SIZES: tuple[int, ...] = tuple(4 * KIB * 4**i for i in range(9))[:-1]
+LEVELS = ("intra", "inter")
+# What the two-level all-reduce runs inside the node, measured as well: a backend may
+# implement them less efficiently than its all-reduce (gloo does; see costmodel.Profile).
+INTRA_COLLECTIVES = {"intra_reduce_scatter": "reduce_scatter", "intra_all_gather": "all_gather"}
+_ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner", "binomial")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig:
+    """How to time each message size. Every rank must use the same values."""
+
+    sizes: tuple[int, ...] = QUICK_SIZES
+    """Message sizes in bytes (fp32 tensors; rounded down to whole elements)."""
+    warmup: int = 2
+    """Untimed calls first: connections, buffers, caches."""
+    reps: int = 5
+    """Timed repetitions; the median is reported (at least 3 survive the budget)."""
+    min_rep_s: float = 0.02
+    """A repetition loops the collective until it lasts this long, so one barrier's skew
+    (tens of microseconds) does not swamp a 4 KB all-reduce."""
+    budget_s: float = 2.0
+    """Seconds per size and level (on average) after warmup: when the sizes' repetitions
+    would take longer, fewer (but at least 3) are made."""
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in self.sizes):
+            raise ValueError(f"sizes must be ints >= 4 bytes, got {list(self.sizes)}")
+        if len(set(self.sizes)) < 2:
+            raise ValueError(f"need at least 2 distinct sizes to fit alpha and beta, got {list(self.sizes)}")
+        for name in ("warmup", "reps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'warmup' else 1}, got {value!r}")
+        for name in ("min_rep_s", "budget_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+# ---------------------------------------------------------------------------
+# Measuring (collective: every rank of the world calls these in the same order).
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _world_max(values: Sequence[float], device: torch.device) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.cpu()]
+
+
+def time_ops(ops: Sequence[Callable[[], Any]], device: torch.device, config: SweepConfig = SweepConfig()) -> list[float]:
+    """Median seconds per call of each of ``ops`` (slowest rank of each repetition). Collective.
+
+    Every rank of the world must call this at the same time with as many ``ops``, each
+    rank with its own (e.g. all-reduces on its own intra group): loop counts are agreed
+    across the world from the slowest rank's warm times, so every group issues equally
+    many calls. A repetition of one op starts after a world barrier, loops it until about
+    ``config.min_rep_s`` has passed, and divides. Repetitions are *interleaved* (op 0,
+    op 1, ..., op 0, op 1, ...) so that a burst of load from another process spreads over
+    every op instead of biasing one message size.
+    """
+    import torch.distributed as dist
+
+    warm = []
+    for op in ops:
+        for _ in range(config.warmup):
+            op()
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        warm.append(time.perf_counter() - start)
+    estimates = [max(t, 1e-7) for t in _world_max(warm, device)]
+    inner = [max(1, min(100_000, math.ceil(config.min_rep_s / e))) for e in estimates]
+    per_rep = sum(i * e for i, e in zip(inner, estimates))
+    affordable = int(config.budget_s * len(ops) // per_rep)
+    reps = min(config.reps, max(3, affordable))
+    times: list[list[float]] = [[] for _ in ops]
+    for _ in range(reps):
+        for j, op in enumerate(ops):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(inner[j]):
+                op()
+            _sync(device)
+            times[j].append((time.perf_counter() - start) / inner[j])
+    flat = _world_max([t for row in times for t in row], device)
+    return [statistics.median(flat[j * reps : (j + 1) * reps]) for j in range(len(ops))]
+
+
+def time_op(op: Callable[[], Any], device: torch.device, config: SweepConfig = SweepConfig()) -> float:
+    """:func:`time_ops` of one op."""
+    return time_ops([op], device, config)[0]
+
+
+def sweep(groups: Any, config: SweepConfig, device: torch.device) -> dict[str, list[tuple[int, float]]]:
+    """Collective times per level and size: ``{"intra": [(bytes, s), ...], ...}``. Collective.
+
+    ``groups`` is this rank's :class:`hiersync.topology.Groups`. ``"intra"`` and
+    ``"inter"`` are all-reduces on the intra groups (all nodes at once) and on the rails
+    (all rails at once); ``"intra_reduce_scatter"`` and ``"intra_all_gather"`` time the
+    node's reduce-scatter (bytes = input) and all-gather (bytes = output) that the
+    two-level all-reduce uses. Every size is interleaved with the others (see
+    :func:`time_ops`). Levels whose groups hold one rank are left out.
+    """
+    import torch
+    import torch.distributed as dist
+
+    # The functions HierComm calls (torch 2.13 renamed reduce_scatter_tensor and
+    # all_gather_into_tensor; older releases have only the old names).
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    L = groups.node_size
+    sizes = {level: [max(1, n // 4) for n in config.sizes] for level in LEVELS}
+    # Reduce-scatter and all-gather need whole shards: round down to a multiple of L.
+    for level in INTRA_COLLECTIVES:
+        sizes[level] = [max(L, n // 4 // L * L) for n in config.sizes]
+    # One buffer (views) serves every size, so the full sweep needs 256 MiB, not 512.
+    # Zeros stay zeros under summation: no overflow, no denormals, whatever the count.
+    buf = torch.zeros(max(sizes["intra"]), dtype=torch.float32, device=device)
+    shard = torch.zeros(max(sizes["intra_all_gather"]) // L, dtype=torch.float32, device=device)
+    intra, rail = groups.intra, groups.rail
+    makers: dict[str, Callable[[int], Callable[[], Any]]] = {
+        "intra": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=intra),
+        "inter": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=rail),
+        "intra_reduce_scatter": lambda m: lambda x=buf[:m], y=shard[: m // L]: reduce_scatter(y, x, group=intra),
+        "intra_all_gather": lambda m: lambda x=buf[:m], y=shard[: m // L]: all_gather(x, y, group=intra),
+    }
+    group_size = {"intra": L, "inter": groups.rail_size, "intra_reduce_scatter": L, "intra_all_gather": L}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for level in (*LEVELS, *INTRA_COLLECTIVES):
+        if group_size[level] < 2:
+            continue
+        seconds = time_ops([makers[level](m) for m in sizes[level]], device, config)
+        out[level] = [(m * 4, t) for m, t in zip(sizes[level], seconds)]
+        if dist.get_rank() == 0:
+            for m, t in zip(sizes[level], seconds):
+                logger.info("calibrate: %s of %s on %d ranks: %.1f us", level, _fmt_bytes(m * 4), group_size[level], t * 1e6)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Fitting (pure).
+
+
+def fit_profile(
+    points: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    rails: int | None = None,
+    backend: str = "gloo",
+    algorithm: str = "ring",
+    name: str = "calibrated",
+    source: str = "",
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[cm.Profile, dict[str, cm.LinkFit]]:
+    """Fit one :class:`~hiersync.costmodel.Link` per level and build the profile. Pure.
+
+    ``points["intra"]`` are all-reduce times on ``ranks_per_node`` ranks, ``points["inter"]``
+    on the ``nodes`` ranks of a rail while all rails ran at once. With ``rails`` NICs per
+    node (fewer than ``ranks_per_node``) the concurrent rails shared them, so the fitted
+    rail link is :func:`~hiersync.costmodel.rail_link` of the NIC: the NIC's beta is the
+    rail's times ``rails / ranks_per_node``. A missing level (one node, or one rank per
+    node) copies the other level's link, with a warning. Optional
+    ``points["intra_reduce_scatter"]`` / ``points["intra_all_gather"]`` are fitted with
+    the ring reduce-scatter / all-gather formulas into the profile's
+    ``intra_reduce_scatter`` / ``intra_all_gather`` links.
+    """
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(_ALGORITHMS)}")
+    unknown = sorted(set(points) - set(LEVELS) - set(INTRA_COLLECTIVES))
+    if unknown:
+        raise ValueError(f"unknown levels {unknown}; valid: {', '.join((*LEVELS, *INTRA_COLLECTIVES))}")
+    ranks = {"intra": ranks_per_node, "inter": nodes, **{k: ranks_per_node for k in INTRA_COLLECTIVES}}
+    collective = {"intra": "allreduce", "inter": "allreduce", **INTRA_COLLECTIVES}
+    fits: dict[str, cm.LinkFit] = {}
+    for level, pts in points.items():
+        if not pts:
+            continue
+        sizes, times = zip(*pts)
+        algo = algorithm if collective[level] == "allreduce" else "ring"
+        fits[level] = cm.fit_link(sizes, times, ranks=ranks[level], collective=collective[level], algorithm=algo)
+    if not any(level in fits for level in LEVELS):
+        raise ValueError("no all-reduce measurements to fit: the world has one rank (calibrate needs >= 2)")
+    for level in LEVELS:
+        if level not in fits:
+            other = "inter" if level == "intra" else "intra"
+            logger.warning("calibrate: no %s measurements (a group of one rank); copying the %s link", level, other)
+    intra = fits.get("intra", fits.get("inter")).link  # type: ignore[union-attr]
+    rail = fits.get("inter", fits.get("intra")).link  # type: ignore[union-attr]
+    nics = ranks_per_node if rails is None else min(rails, ranks_per_node)
+    inter = cm.Link(rail.alpha, rail.beta * nics / ranks_per_node, rail.gamma)
+    meta: dict[str, Any] = dict(metadata or {})
+    meta["fits"] = {
+        level: {
+            "ranks": ranks[level], "collective": collective[level],
+            "algorithm": algorithm if collective[level] == "allreduce" else "ring", "alpha": f.link.alpha,
+            "beta": f.link.beta, "r2": f.r2, "max_rel_error": f.max_rel_error, "num_points": f.num_points,
+        }
+        for level, f in fits.items()
+    }
+    meta["points"] = {level: [[int(n), float(t)] for n, t in pts] for level, pts in points.items()}
+    extra = {level: fits[level].link if level in fits else None for level in INTRA_COLLECTIVES}
+    profile = cm.Profile(
+        intra=intra, inter=inter, nodes=nodes, ranks_per_node=ranks_per_node, rails=rails, backend=backend,
+        name=name, source=source, metadata=meta, **extra,
+    )
+    return profile, fits
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n:g} B"
+
+
+_PREDICT: dict[str, Callable[[str, int, float, cm.Link], float]] = {
+    "allreduce": cm.allreduce_time, "reduce_scatter": cm.reduce_scatter_time, "all_gather": cm.all_gather_time,
+}
+
+
+def format_fits(profile: cm.Profile, fits: Mapping[str, cm.LinkFit]) -> str:
+    """The fitted links, their R^2, and measured vs fitted time per size, as text."""
+    meta = profile.metadata.get("fits", {})
+    points = profile.metadata.get("points", {})
+    lines = [
+        f"profile {profile.name} [{profile.backend}]: {profile.nodes} nodes x {profile.ranks_per_node} ranks, "
+        f"{profile.rails or profile.ranks_per_node} NIC(s) per node",
+        "",
+        f"{'level':<20} {'ranks':>5} {'alpha_us':>10} {'GB/s':>9} {'R^2':>8} {'max_err':>8} {'points':>6}",
+    ]
+    for level, f in fits.items():
+        lines.append(
+            f"{level:<20} {meta[level]['ranks']:>5} {f.link.alpha * 1e6:>10.2f} {f.link.bandwidth / 1e9:>9.4g} "
+            f"{f.r2:>8.5f} {f.max_rel_error:>7.1%} {f.num_points:>6}"
+        )
+    lines.append(
+        f"profile links: intra {profile.intra.alpha * 1e6:.2f} us, {profile.intra.bandwidth / 1e9:.4g} GB/s; "
+        f"inter (per NIC) {profile.inter.alpha * 1e6:.2f} us, {profile.inter.bandwidth / 1e9:.4g} GB/s"
+    )
+    for level in INTRA_COLLECTIVES:
+        link = getattr(profile, level)
+        if link is not None:
+            lines.append(f"  {level}: {link.alpha * 1e6:.2f} us, {link.bandwidth / 1e9:.4g} GB/s effective")
+    for level, f in fits.items():
+        p = meta[level]["ranks"]
+        what = meta[level].get("collective", "allreduce")
+        lines += ["", f"{level}: {what} on {p} ranks", f"{'bytes':>12} {'measured_us':>12} {'fitted_us':>12} {'error':>7}"]
+        for n, t in points.get(level, []):
+            pred = _PREDICT[what](meta[level]["algorithm"], p, n, f.link)
+            lines.append(f"{_fmt_bytes(n):>12} {t * 1e6:>12.1f} {pred * 1e6:>12.1f} {(pred - t) / t:>+7.1%}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Running: one body for torchrun and for the local launcher.
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": str(dist.get_backend()),
+        "world_size": dist.get_world_size(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "getloadavg"):
+        meta["loadavg_before"] = list(os.getloadavg())
+    return meta
+
+
+def calibrate(config: SweepConfig, device: torch.device | None = None) -> dict[str, Any]:
+    """Detect the topology, sweep both levels and return the measurements. Collective.
+
+    Needs an initialized default process group. Returns ``{"points", "nodes",
+    "ranks_per_node", "backend", "metadata"}`` on every rank (the points are the
+    world-wide slowest times, so every rank holds the same numbers).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hiersync.topology import Topology
+
+    if device is None:
+        device = torch.device("cpu")
+    meta = _environment()
+    topo = Topology.detect()
+    if not topo.even:
+        raise ValueError(
+            f"calibrate needs the same number of ranks on every node, got nodes {[list(n) for n in topo.nodes]}"
+        )
+    groups = topo.build_groups()
+    start = time.perf_counter()
+    points = sweep(groups, config, device)
+    meta["sweep_s"] = round(time.perf_counter() - start, 3)
+    if hasattr(os, "getloadavg"):
+        meta["loadavg_after"] = list(os.getloadavg())
+    meta["sweep"] = asdict(config)
+    meta["topology"] = [list(n) for n in topo.nodes]
+    return {
+        "points": points,
+        "nodes": topo.num_nodes,
+        "ranks_per_node": topo.ranks_per_node,
+        "backend": str(dist.get_backend()),
+        "metadata": meta,
+    }
+
+
+def _local_rank_body(config: SweepConfig) -> dict[str, Any] | None:
+    """Body of every rank under :func:`hiersync._launch.run` (module level: the forkserver imports it)."""
+    import torch.distributed as dist
+
+    result = calibrate(config)
+    return result if dist.get_rank() == 0 else None
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _torchrun_calibrate(config: SweepConfig, backend: str | None) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    created = False
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://")
+        created = True
+    elif "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        result = calibrate(config, device)
+        return result if dist.get_rank() == 0 else None
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _finish(result: Mapping[str, Any], args: argparse.Namespace, mode: str) -> cm.Profile:
+    meta = dict(result["metadata"])
+    meta["mode"] = mode
+    meta["command"] = "python -m hiersync calibrate " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])
+    profile, fits = fit_profile(
+        result["points"],
+        nodes=result["nodes"],
+        ranks_per_node=result["ranks_per_node"],
+        rails=args.rails,
+        backend=result["backend"],
+        algorithm=args.algorithm,
+        name=args.name,
+        source=f"python -m hiersync calibrate ({mode}, {meta.get('date', '')})",
+        metadata=meta,
+    )
+    profile.save(args.out)
+    print(format_fits(profile, fits))
+    print(f"\nwrote {args.out} (sweep {meta.get('sweep_s', 0):.1f} s)")
+    low = [level for level, f in fits.items() if f.r2 < 0.9]
+    if low:
+        logger.warning("calibrate: poor fit (R^2 < 0.9) for %s: re-run on a quiet machine or with --full", ", ".join(low))
+    return profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="profile.json", help="JSON profile to write (default profile.json)")
+    parser.add_argument("--nodes", type=int, help="emulate this many nodes locally (no torchrun)")
+    parser.add_argument("--procs-per-node", type=int, help="ranks per emulated node (with --nodes)")
+    parser.add_argument("--full", action="store_true", help="every power of two from 4 KiB to 256 MiB")
+    parser.add_argument("--sizes", help="comma-separated message sizes in bytes (overrides --full)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per size; median (default 5)")
+    parser.add_argument("--budget-s", type=float, default=2.0, help="seconds per size and collective (default 2)")
+    parser.add_argument("--rails", type=int, help="NICs per node (default: one per rank); 1 on the testbed")
+    parser.add_argument("--algorithm", choices=_ALGORITHMS, default="ring",
+                        help="all-reduce algorithm of the backend, for the fit (default ring: gloo, NCCL rings)")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], help="under torchrun (default: nccl if CUDA, else gloo)")
+    parser.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="local mode: kill the ranks after this (s)")
+
+
+def _config(args: argparse.Namespace) -> SweepConfig:
+    if args.sizes:
+        try:
+            sizes = tuple(int(float(s)) for s in args.sizes.split(",") if s.strip())
+        except ValueError:
+            raise ValueError(f"--sizes must be comma-separated byte counts, got {args.sizes!r}") from None
+    else:
+        sizes = FULL_SIZES if args.full else QUICK_SIZES
+    return SweepConfig(sizes=sizes, warmup=args.warmup, reps=args.reps, budget_s=args.budget_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.rails is not None and args.rails < 1:
+        raise ValueError(f"--rails must be >= 1, got {args.rails}")
+    if args.nodes is not None or args.procs_per_node is not None:
+        if _under_torchrun():
+            raise ValueError("--nodes/--procs-per-node emulate a cluster locally; under torchrun leave them out")
+        nodes, lpn = args.nodes or 1, args.procs_per_node or 1
+        if nodes < 1 or lpn < 1 or nodes * lpn < 2:
+            raise ValueError(f"need --nodes >= 1 and --procs-per-node >= 1 with at least 2 ranks, got {nodes} x {lpn}")
+        from hiersync._launch import run as launch
+
+        node_ids = [r // lpn for r in range(nodes * lpn)]
+        results = launch(_local_rank_body, nodes * lpn, (config,), node_ids=node_ids, timeout=args.timeout,
+                         pg_timeout=min(args.timeout, 300.0))
+        _finish(results[0], args, f"local {nodes}x{lpn}, HIERSYNC_NODE_IDS, gloo over loopback")
+        return 0
+    if not _under_torchrun():
+        raise ValueError(
+            "calibrate needs ranks: run it under torchrun (RANK and WORLD_SIZE are not set), or emulate "
+            "nodes locally with --nodes N --procs-per-node L"
+        )
+    result = _torchrun_calibrate(config, args.backend)
+    if result is not None:
+        testbed = os.environ.get("HIERSYNC_TESTBED_EMULATED") == "1"
+        _finish(result, args, "testbed (netns, shaped link)" if testbed else "torchrun")
+    return 0
