@@ -61,9 +61,14 @@ __all__ = [
     "full_schedules",
     "worker",
     "run_bench",
+    "timed_steps",
     "summarize",
+    "check_targets",
     "write_outputs",
     "format_table",
+    "format_targets",
+    "make_config",
+    "command_line",
     "add_arguments",
     "run",
 ]
@@ -707,6 +712,7 @@ def run_bench(
         prog_path = Path(tmp) / "progress"
         config = {**config, "progress": str(prog_path)}
         bar = _ProgressFile(prog_path, total) if progress else None
+        load_before = os.getloadavg()[0]
         start = time.monotonic()
         try:
             results, info = run_ranks(
@@ -724,7 +730,8 @@ def run_bench(
         "wall_s": wall,
         "config": {k: v for k, v in config.items() if k != "progress"},
         "testbed": info,
-        "environment": _environment(),
+        # On a shared machine other jobs steal cores from the ranks: say how busy it was.
+        "environment": {**_environment(), "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]},
         "ranks": results,
     }
     return rows, raw
@@ -843,16 +850,25 @@ def command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config = make_config(args)
-    timeout = args.timeout or (7200.0 if args.full else 900.0)
-    rows, raw = run_bench(
-        config, nodes=args.nodes, procs_per_node=args.procs_per_node, inter_rate=args.inter_rate,
-        loopback=args.loopback, timeout=timeout, progress=not args.no_progress,
-    )
+    from ._launch import RankFailed
+    from .testbed import TestbedError
+
+    timeout = args.timeout or (7200.0 if args.full else 900.0) * args.repeat
+    try:
+        rows, raw = run_bench(
+            config, nodes=args.nodes, procs_per_node=args.procs_per_node, inter_rate=args.inter_rate,
+            loopback=args.loopback, timeout=timeout, progress=not args.no_progress,
+        )
+    except (TestbedError, RankFailed, TimeoutError) as e:
+        logger.error("bench failed: %s", e)
+        return 1
     raw["command"] = command_line(args)
     paths = write_outputs(args.results, raw, rows, plots=not args.no_plots)
     targets = check_targets(rows)
     # The CLI's final output: the comparison table.
-    print(f"hiersync bench on {raw['testbed']['describe']} ({raw['wall_s']:.0f} s)")
+    env = raw["environment"]
+    print(f"hiersync bench on {raw['testbed']['describe']} ({raw['wall_s']:.0f} s, "
+          f"load average {env['loadavg_1min_before']:.1f} -> {env['loadavg_1min_after']:.1f} on {env['cpus']} cores)")
     print(f"step s: unsynchronized step time (slowest rank); data..opt: attributed with barriers between phases\n")
     print(format_table(rows))
     if targets:

@@ -141,9 +141,7 @@ def _tcp_throughput(topo: Any, rank: int, addr: str, nbytes: int) -> dict | None
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     got = 0
-    # Time the last 3/4 only: TCP slow start and the first burst through tbf's bucket
-    # are not the link's sustained rate.
-    mark, t_mark = nbytes // 4, t0
+    samples: list[tuple[float, int]] = [(t0, 0)]  # (time, bytes received so far)
     if accepted:
         buf = bytearray(4 * MB)
         conn = accepted[0]
@@ -151,24 +149,46 @@ def _tcp_throughput(topo: Any, rank: int, addr: str, nbytes: int) -> dict | None
             n = conn.recv_into(buf)
             if n == 0:
                 break
-            if got < mark <= got + n:
-                t_mark = time.perf_counter()
             got += n
-    elapsed = time.perf_counter() - t_mark
-    got -= mark if t_mark > t0 else 0
+            samples.append((time.perf_counter(), got))
     sender.join(120)
     for s in [out, srv] + accepted:
         if s is not None:
             s.close()
     results: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(results, (node, got, elapsed))
-    per_node = []
-    for n in range(nodes):
-        mine = [r for r in results if r[0] == n and r[1] > 0]
-        if mine:
-            per_node.append(sum(r[1] / r[2] for r in mine))  # concurrent streams: rates add up
+    # perf_counter is CLOCK_MONOTONIC: one clock for every process on this host.
+    dist.all_gather_object(results, (node, samples if got else None))
+    per_node = [rate for n in range(nodes) if (rate := _sustained_rate([r[1] for r in results if r[0] == n and r[1]]))]
     return {"bytes_per_stream": nbytes, "streams_per_node": len(topo.nodes[0]), "node_MBps": [x / 1e6 for x in per_node],
             "MBps": min(per_node) / 1e6 if per_node else None}
+
+
+def _bytes_at(samples: Sequence[tuple[float, int]], t: float) -> float:
+    """Bytes a stream had received at time ``t`` (linear between samples)."""
+    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
+        if t0 <= t <= t1:
+            return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return float(samples[-1][1] if t > samples[-1][0] else 0)
+
+
+def _sustained_rate(streams: Sequence[Sequence[tuple[float, int]]]) -> float | None:
+    """Bytes/s into a node while all its streams ran, after each had received a quarter.
+
+    Skipping the first quarter leaves out TCP slow start and the initial burst through
+    tbf's bucket; using only the window in which every stream was still running keeps a
+    stream that finished early from inflating the sum of per-stream rates.
+    """
+    if not streams:
+        return None
+    starts = []
+    for s in streams:
+        quarter = s[-1][1] / 4
+        starts.append(next(t for t, b in s if b >= quarter))
+    lo, hi = max(starts), min(s[-1][0] for s in streams)
+    if hi <= lo:  # the streams barely overlapped: fall back to the whole transfer
+        lo, hi = min(s[0][0] for s in streams), max(s[-1][0] for s in streams)
+        return sum(s[-1][1] for s in streams) / (hi - lo)
+    return sum(_bytes_at(s, hi) - _bytes_at(s, lo) for s in streams) / (hi - lo)
 
 
 def worker(config: dict) -> dict:
@@ -279,13 +299,14 @@ def _plot(rows: Sequence[dict], tcp_MBps: float | None, title: str) -> bytes | N
         logger.warning("collbench: matplotlib is not installed (pip install 'hiersync[bench]'); no plot")
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for op in OPS:
+    for i, op in enumerate(OPS):
         pts = [(r["bytes"], r["busbw_GBps"] * 1e3, r["link_MBps"]) for r in rows if r["op"] == op]
         if not pts:
             continue
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
+        style = dict(marker="o", label=op, color=f"C{i}", ls="--" if op == "two_level_bcast" else "-")
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], **style)
         if any(p[2] for p in pts):
-            axes[1].plot([p[0] for p in pts if p[2]], [p[2] for p in pts if p[2]], marker="o", label=op)
+            axes[1].plot([p[0] for p in pts if p[2]], [p[2] for p in pts if p[2]], **style)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
@@ -344,7 +365,8 @@ def make_config(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .testbed import run_ranks
+    from ._launch import RankFailed
+    from .testbed import TestbedError, run_ranks
 
     config = make_config(args)
     bar = None
@@ -367,12 +389,16 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(n - seen[0])
                 seen[0] = n
 
+        load_before = os.getloadavg()[0]
         start = time.monotonic()
         try:
             results, info = run_ranks(
                 "hiersync.collbench:worker", config, nodes=args.nodes, procs_per_node=args.procs_per_node,
                 inter_rate=args.inter_rate, loopback=args.loopback, timeout=args.timeout, poll=poll,
             )
+        except (TestbedError, RankFailed, TimeoutError) as e:
+            logger.error("collbench failed: %s", e)
+            return 1
         finally:
             if bar is not None:
                 bar.close()
@@ -382,7 +408,8 @@ def run(args: argparse.Namespace) -> int:
     tcp = ceiling_MBps(rep["tcp"])
     d = Path(args.results)
     raw = {"format": "hiersync.collbench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": wall,
-           "config": config, "testbed": info, "tcp": rep["tcp"], "tcp_ceiling_MBps": tcp, "rows": rep["rows"]}
+           "config": config, "testbed": info,
+           "loadavg_1min": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(), "tcp": rep["tcp"], "tcp_ceiling_MBps": tcp, "rows": rep["rows"]}
     paths = [atomic_write_json(d / "collbench.json", raw)]
     buf = io.StringIO()
     if rep["rows"]:
