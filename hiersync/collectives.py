@@ -38,7 +38,9 @@ from torch.profiler import record_function
 from .stats import INTER, INTRA, Stats
 from .topology import Groups
 
-__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait"]
+__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait", "INTRA_ALGORITHMS"]
+
+INTRA_ALGORITHMS = ("rs_ag", "allreduce_bcast")
 
 
 class HierSyncError(RuntimeError):
@@ -217,7 +219,13 @@ class HierComm:
     ``label`` is a callable returning a short context (e.g. ``"step 12"``) put into errors.
     """
 
-    def __init__(self, groups: Groups, stats: Stats | None = None, label: Callable[[], str] = lambda: "") -> None:
+    def __init__(
+        self,
+        groups: Groups,
+        stats: Stats | None = None,
+        label: Callable[[], str] = lambda: "",
+        intra_algorithm: str | None = None,
+    ) -> None:
         self.groups = groups
         self.topology = groups.topology
         self.stats = stats if stats is not None else Stats()
@@ -225,6 +233,17 @@ class HierComm:
         self.world_size = self.topology.world_size
         self._seq_rail = Sequencer()
         self._seq_late = Sequencer()
+        # How the node reduces and gathers around the rail leg. On NCCL: reduce-scatter and
+        # all-gather (bandwidth-optimal). On gloo (CPU) those two are slow: measured for 64 MB
+        # inside a node, all-reduce 81-85 ms, reduce-scatter 145-192 ms, all-gather 122-137 ms,
+        # a broadcast of a 1/2 shard 17-19 ms (docs/benchmarks.md), so gloo reduces with an
+        # all-reduce and gathers with one broadcast per shard. The rail leg is the same.
+        if intra_algorithm is None:
+            backend = str(dist.get_backend(groups.intra)) if groups.intra is not None else "gloo"
+            intra_algorithm = "allreduce_bcast" if backend == "gloo" else "rs_ag"
+        if intra_algorithm not in INTRA_ALGORITHMS:
+            raise ValueError(f"intra_algorithm={intra_algorithm!r} is not supported; use one of {list(INTRA_ALGORITHMS)}")
+        self.intra_algorithm = intra_algorithm
 
     # ------------------------------------------------------------- helpers
     def _phase(self, what: str) -> str:
@@ -281,30 +300,72 @@ class HierComm:
             flat = torch.zeros(shard_len * L, dtype=tensor.dtype, device=tensor.device)
             flat[:n].copy_(tensor)
         flat.div_(self.world_size)
-        shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
         esize = tensor.element_size()
         N = self.topology.num_nodes
-        phase_rs = self._phase("intra reduce-scatter")
-        self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
+        lo = g.local_rank * shard_len
+        if self.intra_algorithm == "rs_ag":
+            shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
+            phase = self._phase("intra reduce-scatter")
+            self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
+            launch = lambda: _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)  # noqa: E731
+            span = "hiersync/intra_reduce_scatter"
+        else:
+            shard = flat[lo : lo + shard_len]  # reduced in place by the node-wide all-reduce
+            phase = self._phase("intra all-reduce")
+            self.stats.record(INTRA, "all_reduce", L, flat.numel() * esize)
+            launch = lambda: _async(dist.all_reduce(flat, group=g.intra, async_op=True))  # noqa: E731
+            span = "hiersync/intra_allreduce"
         try:
-            rs = _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
+            first = launch()
         except Exception as e:  # noqa: BLE001
-            raise _wrap(e, phase_rs) from e
-        rs = _span("hiersync/intra_reduce_scatter", self._chain(rs, phase_rs, tensor.device))
+            raise _wrap(e, phase) from e
+        first = _span(span, self._chain(first, phase, tensor.device))
 
         def rail_leg() -> torch.futures.Future:
             return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
 
-        def gather_leg() -> torch.futures.Future:
-            return _async(_all_gather(flat, shard, group=g.intra_late, async_op=True))
-
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
-        ar = self._seq_rail.submit(rs, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
+        ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         ar = _span("hiersync/inter_allreduce", ar)
-        self.stats.record(INTRA, "all_gather", L, flat.numel() * esize)
-        ag = self._seq_late.submit(ar, gather_leg, tensor.device, self._phase("intra all-gather"))
-        ag = _span("hiersync/intra_all_gather", ag)
-        return _after(ag, lambda: flat if flat is tensor else flat[:n])
+        done = self._gather_shards(flat, shard, shard_len, ar, "all-gather")
+        return _after(done, lambda: flat if flat is tensor else flat[:n])
+
+    def _gather_shards(
+        self, padded: torch.Tensor, shard: torch.Tensor, shard_len: int, ready: torch.futures.Future, what: str
+    ) -> torch.futures.Future:
+        """Once ``ready``, give every rank of the node all L shards of ``padded``.
+
+        ``shard`` is this rank's slice (a view of ``padded`` or a separate tensor).
+        """
+        g = self.groups
+        L = g.node_size
+        esize = padded.element_size()
+        lo = g.local_rank * shard_len
+        if self.intra_algorithm == "rs_ag":
+            self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
+
+            def launch() -> torch.futures.Future:
+                return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
+
+            span = "hiersync/intra_all_gather"
+        else:
+            node = self.topology.node_ranks(g.rank)
+            for _ in range(L):
+                self.stats.record(INTRA, "broadcast", L, shard_len * esize)
+
+            def launch() -> torch.futures.Future:
+                if shard.data_ptr() != padded[lo:].data_ptr():
+                    padded[lo : lo + shard_len].copy_(shard)
+                futs = [
+                    _async(dist.broadcast(padded[r * shard_len : (r + 1) * shard_len], src=node[r],
+                                          group=g.intra_late, async_op=True))
+                    for r in range(L)
+                ]
+                return _after(torch.futures.collect_all(futs), lambda: [f.value() for f in futs])
+
+            span = "hiersync/intra_broadcast_shards"
+        fut = self._seq_late.submit(ready, launch, padded.device, self._phase(f"intra {what}"))
+        return _span(span, fut)
 
     def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -396,16 +457,10 @@ class HierComm:
         ar = _span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
         if L == 1:
             return _after(ar, lambda: flat.copy_(shard))
-
-        def gather_leg() -> torch.futures.Future:
-            return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
-
-        self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
-        ag = self._seq_late.submit(ar, gather_leg, flat.device, self._phase("intra parameter all-gather"))
-        ag = _span("hiersync/intra_param_all_gather", ag)
+        done = self._gather_shards(padded, shard, shard_len, ar, "parameter gather")
         if padded is flat:
-            return _after(ag, lambda: flat)
-        return _after(ag, lambda: flat.copy_(padded[:n]))
+            return _after(done, lambda: flat)
+        return _after(done, lambda: flat.copy_(padded[:n]))
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups

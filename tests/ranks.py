@@ -105,9 +105,9 @@ def ddp_parity(variants: list[str], steps: int = 6, options: dict | None = None,
     return out
 
 
-def allreduce_sizes(sizes: list[int], dtype: str = "float32") -> dict:
+def allreduce_sizes(sizes: list[int], dtype: str = "float32", intra_algorithm: str | None = None) -> dict:
     """Two-level all-reduce of random tensors of each size vs a flat all-reduce / world."""
-    comm = HierComm(hiersync.Topology.detect().build_groups())
+    comm = HierComm(hiersync.Topology.detect().build_groups(), intra_algorithm=intra_algorithm)
     dt = getattr(torch, dtype)
     worst = 0.0
     futs = []
@@ -125,9 +125,9 @@ def allreduce_sizes(sizes: list[int], dtype: str = "float32") -> dict:
     return {"worst": worst, "count": len(sizes)}
 
 
-def stats_for_bucket(numel: int) -> dict:
+def stats_for_bucket(numel: int, intra_algorithm: str | None = None) -> dict:
     """Reduce one tensor of ``numel`` fp32 with the exact path and return the stats."""
-    comm = HierComm(hiersync.Topology.detect().build_groups())
+    comm = HierComm(hiersync.Topology.detect().build_groups(), intra_algorithm=intra_algorithm)
     comm.allreduce(torch.ones(numel)).wait()
     intra_only = torch.ones(numel)
     comm.stats.reset()

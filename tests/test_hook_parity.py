@@ -24,9 +24,13 @@ def test_parity_with_ddp_default(name):
                 assert r["max_diff"] <= 1e-5, (variant, r)
 
 
-@pytest.mark.parametrize("algorithm", ["flat", "auto"])
-def test_parity_other_exact_algorithms(algorithm):
-    launch(ranks.ddp_parity, TOPOLOGIES["2x2"], ["plain", "tiny_buckets"], 5, {"algorithm": algorithm})
+@pytest.mark.parametrize(
+    "options",
+    [{"algorithm": "flat"}, {"algorithm": "auto"}, {"intra_algorithm": "rs_ag"}],
+    ids=["flat", "auto", "reduce_scatter_all_gather"],
+)
+def test_parity_other_exact_algorithms(options):
+    launch(ranks.ddp_parity, TOPOLOGIES["2x2"], ["plain", "tiny_buckets", "bucket_view"], 5, options)
 
 
 def test_register_one_liner():
@@ -36,8 +40,9 @@ def test_register_one_liner():
 
 def test_profiler_shows_each_phase():
     exact = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 1)[0]
-    assert {"hiersync/hook_exact", "hiersync/intra_reduce_scatter", "hiersync/inter_allreduce",
-            "hiersync/intra_all_gather"} <= set(exact), exact
+    # gloo's default intra algorithm: all-reduce in the node, broadcast the shards
+    assert {"hiersync/hook_exact", "hiersync/intra_allreduce", "hiersync/inter_allreduce",
+            "hiersync/intra_broadcast_shards"} <= set(exact), exact
     local = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 2)[0]
     assert {"hiersync/hook_sync", "hiersync/hook_local", "hiersync/intra_allreduce",
             "hiersync/sync_after_step", "hiersync/inter_param_allreduce"} <= set(local), local

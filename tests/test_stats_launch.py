@@ -21,19 +21,23 @@ def test_collective_bytes_formulas():
 
 
 @pytest.mark.parametrize(
-    "numel, intra, inter",
+    "numel, algorithm, intra, intra_ops, inter",
     [
-        # 2x2, fp32: RS + AG of n bytes over L=2 -> 2 * n/2 intra; AR of the n/2 shard over N=2 -> n/2 inter
-        (1000, 2 * 2000, 2000),
+        # 2x2, fp32, n = 4000 B. rs_ag: RS + AG over L=2 -> 2 * n/2 intra; the rail
+        # all-reduce of the n/2 shard over N=2 -> n/2 inter.
+        (1000, "rs_ag", 2 * 2000, 2, 2000),
         # 1001 elements are padded to 1002 (divisible by L=2)
-        (1001, 2 * 2004, 2004),
+        (1001, "rs_ag", 2 * 2004, 2, 2004),
+        # allreduce_bcast (gloo's default): all-reduce 2 * n/2, then L broadcasts of n/L, n/2 * n/L each
+        (1000, "allreduce_bcast", 4000 + 2 * 1000, 3, 2000),
+        (1001, "allreduce_bcast", 4008 + 2 * 1002, 3, 2004),
     ],
 )
-def test_stats_bytes_2x2(numel, intra, inter):
-    res = launch(ranks.stats_for_bucket, TOPOLOGIES["2x2"], numel)
+def test_stats_bytes_2x2(numel, algorithm, intra, intra_ops, inter):
+    res = launch(ranks.stats_for_bucket, TOPOLOGIES["2x2"], numel, algorithm)
     for r in res:
         assert r["exact"]["bytes_sent"] == {"intra": intra, "inter": inter}
-        assert r["exact"]["collectives"] == {"intra": 2, "inter": 1}
+        assert r["exact"]["collectives"] == {"intra": intra_ops, "inter": 1}
         # local step: one intra all-reduce, 2 (L-1)/L n bytes, nothing across nodes
         assert r["intra"]["bytes_sent"] == {"intra": numel * 4, "inter": 0}
 

@@ -18,6 +18,12 @@ def test_edge_sizes_equal_flat(name):
     assert all(r["count"] == len(EDGE_SIZES) for r in res)
 
 
+@pytest.mark.parametrize("name", ["2x2", "noncontiguous"])
+def test_edge_sizes_equal_flat_reduce_scatter_all_gather(name):
+    # the NCCL default (reduce-scatter + all-gather), exercised here on gloo
+    launch(ranks.allreduce_sizes, TOPOLOGIES[name], EDGE_SIZES, "float32", "rs_ag")
+
+
 # Each example is one multi-process launch with many sizes in flight at once, so a few
 # examples cover hundreds of sizes; hypothesis shrinks a failing list to the bad size.
 @pytest.mark.parametrize("name", ["2x2", "uneven"])
