@@ -185,6 +185,7 @@ def measure(config: ValidationConfig, device=None) -> dict[str, Any]:
                         c["flat_s"] * 1e6)
     del buf
     out["collectives"] = collectives
+    out["intra_algorithm"] = comm.intra_algorithm  # what HierComm ran: "rs_ag" or "allreduce_bcast"
     if config.skip_steps:
         return out
 
@@ -250,17 +251,19 @@ def predict(result: Mapping[str, Any], profile: cm.Profile) -> dict[str, Any]:
     N, L = profile.nodes, profile.ranks_per_node
     links = (profile.intra, profile.inter, profile.rails)
     algo, eta = profile.flat_algorithm, profile.tree_efficiency
+    # The variant HierComm ran; results written before it was recorded ran "rs_ag" (HierComm had no other).
+    intra_algorithm = result.get("intra_algorithm", "rs_ag")
     rows = []
     for c in result["collectives"]:
         n = c["bytes"]
         two = cm.hierarchical_allreduce_time(
             n, N, L, *links, algo, efficiency=eta, reduce_scatter=profile.intra_reduce_scatter,
-            all_gather=profile.intra_all_gather,
+            all_gather=profile.intra_all_gather, intra_algorithm=intra_algorithm, broadcast=profile.intra_broadcast,
         )
         flat = cm.flat_allreduce_time(n, N, L, *links, algo, efficiency=eta)
         rows.append({**c, "two_level_pred_s": two, "two_level_err": _rel(two, c["two_level_s"]),
                      "flat_pred_s": flat, "flat_err": _rel(flat, c["flat_s"])})
-    report: dict[str, Any] = {"collectives": rows}
+    report: dict[str, Any] = {"collectives": rows, "intra_algorithm": intra_algorithm}
     report["two_level_median_abs_err"] = statistics.median(abs(r["two_level_err"]) for r in rows)
     report["flat_median_abs_err"] = statistics.median(abs(r["flat_err"]) for r in rows)
     if "steps" in result:
@@ -274,7 +277,7 @@ def predict(result: Mapping[str, Any], profile: cm.Profile) -> dict[str, Any]:
             bucket = max(s["bucket_sizes"]) if s.get("bucket_sizes") else s["bucket_mb"] * MIB
             st = cm.step_time(
                 schedule, profile=profile, grad_bytes=result["grad_bytes"], bucket_bytes=bucket,
-                backward_s=comp["backward_s"], compute_s=compute_s, period=s["period"],
+                backward_s=comp["backward_s"], compute_s=compute_s, period=s["period"], intra_algorithm=intra_algorithm,
             )
             measured = s["step_s"] if s["period"] == 1 else s["mean_step_s"]
             steps.append({**s, "measured_s": measured, "pred_s": st.step_s, "pred_comm_s": st.comm_s,
@@ -296,7 +299,7 @@ def format_report(report: Mapping[str, Any], profile: cm.Profile) -> str:
         f"profile {profile.name} [{profile.backend}] {profile.nodes}x{profile.ranks_per_node}: "
         f"intra {profile.intra.alpha * 1e6:.1f} us, {profile.intra.bandwidth / 1e9:.3g} GB/s; "
         f"inter {profile.inter.alpha * 1e6:.1f} us, {profile.inter.bandwidth / 1e9:.3g} GB/s per NIC x "
-        f"{profile.rails or profile.ranks_per_node}",
+        f"{profile.rails or profile.ranks_per_node}; two-level intra algorithm {report.get('intra_algorithm', '?')}",
         "",
         "| bytes | two-level measured ms | predicted ms | error | flat measured ms | predicted ms | error |",
         "|---:|---:|---:|---:|---:|---:|---:|",

@@ -81,7 +81,13 @@ QUICK_SIZES: tuple[int, ...] = tuple(4 * KIB * 4**i for i in range(9))[:-1]
 LEVELS = ("intra", "inter")
 # What the two-level all-reduce runs inside the node, measured as well: a backend may
 # implement them less efficiently than its all-reduce (gloo does; see costmodel.Profile).
-INTRA_COLLECTIVES = {"intra_reduce_scatter": "reduce_scatter", "intra_all_gather": "all_gather"}
+# "intra_broadcast" is the shard gather of HierComm's "allreduce_bcast" variant (gloo): L
+# broadcasts of n/L issued together, each local rank the source of its own shard.
+INTRA_COLLECTIVES = {
+    "intra_reduce_scatter": "reduce_scatter", "intra_all_gather": "all_gather", "intra_broadcast": "broadcast",
+}
+# The algorithm each intra collective is fitted with: gloo's broadcast is a binomial tree.
+_INTRA_FIT_ALGORITHM = {"reduce_scatter": "ring", "all_gather": "ring", "broadcast": "binomial"}
 _ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner", "binomial")
 
 
@@ -190,7 +196,9 @@ def sweep(groups: Any, config: SweepConfig, device: torch.device) -> dict[str, l
     ``"inter"`` are all-reduces on the intra groups (all nodes at once) and on the rails
     (all rails at once); ``"intra_reduce_scatter"`` and ``"intra_all_gather"`` time the
     node's reduce-scatter (bytes = input) and all-gather (bytes = output) that the
-    two-level all-reduce uses. Every size is interleaved with the others (see
+    two-level all-reduce uses, ``"intra_broadcast"`` the L shard broadcasts of its
+    ``"allreduce_bcast"`` variant (bytes = the whole message, n/L per broadcast, all L
+    issued at once as ``HierComm`` does). Every size is interleaved with the others (see
     :func:`time_ops`). Levels whose groups hold one rank are left out.
     """
     import torch
@@ -210,13 +218,23 @@ def sweep(groups: Any, config: SweepConfig, device: torch.device) -> dict[str, l
     buf = torch.zeros(max(sizes["intra"]), dtype=torch.float32, device=device)
     shard = torch.zeros(max(sizes["intra_all_gather"]) // L, dtype=torch.float32, device=device)
     intra, rail = groups.intra, groups.rail
+    node = groups.topology.node_ranks(groups.rank)
+
+    def shard_broadcasts(x: torch.Tensor) -> None:
+        step = x.numel() // L
+        works = [dist.broadcast(x[r * step : (r + 1) * step], src=node[r], group=intra, async_op=True)
+                 for r in range(L)]
+        for work in works:
+            work.wait()
+
     makers: dict[str, Callable[[int], Callable[[], Any]]] = {
         "intra": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=intra),
         "inter": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=rail),
         "intra_reduce_scatter": lambda m: lambda x=buf[:m], y=shard[: m // L]: reduce_scatter(y, x, group=intra),
         "intra_all_gather": lambda m: lambda x=buf[:m], y=shard[: m // L]: all_gather(x, y, group=intra),
+        "intra_broadcast": lambda m: lambda x=buf[:m]: shard_broadcasts(x),
     }
-    group_size = {"intra": L, "inter": groups.rail_size, "intra_reduce_scatter": L, "intra_all_gather": L}
+    group_size = {"intra": L, "inter": groups.rail_size, **{level: L for level in INTRA_COLLECTIVES}}
     out: dict[str, list[tuple[int, float]]] = {}
     for level in (*LEVELS, *INTRA_COLLECTIVES):
         if group_size[level] < 2:
@@ -255,7 +273,10 @@ def fit_profile(
     node) copies the other level's link, with a warning. Optional
     ``points["intra_reduce_scatter"]`` / ``points["intra_all_gather"]`` are fitted with
     the ring reduce-scatter / all-gather formulas into the profile's
-    ``intra_reduce_scatter`` / ``intra_all_gather`` links.
+    ``intra_reduce_scatter`` / ``intra_all_gather`` links. Optional
+    ``points["intra_broadcast"]`` (n bytes moved as L broadcasts of n/L in one go) are
+    fitted as L binomial broadcasts of n/L in a row (each point's size and time divided by
+    L) into ``intra_broadcast``: the effective link of one shard broadcast.
     """
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(_ALGORITHMS)}")
@@ -264,13 +285,18 @@ def fit_profile(
         raise ValueError(f"unknown levels {unknown}; valid: {', '.join((*LEVELS, *INTRA_COLLECTIVES))}")
     ranks = {"intra": ranks_per_node, "inter": nodes, **{k: ranks_per_node for k in INTRA_COLLECTIVES}}
     collective = {"intra": "allreduce", "inter": "allreduce", **INTRA_COLLECTIVES}
+    fit_algorithm = {level: algorithm if c == "allreduce" else _INTRA_FIT_ALGORITHM[c] for level, c in collective.items()}
     fits: dict[str, cm.LinkFit] = {}
     for level, pts in points.items():
         if not pts:
             continue
         sizes, times = zip(*pts)
-        algo = algorithm if collective[level] == "allreduce" else "ring"
-        fits[level] = cm.fit_link(sizes, times, ranks=ranks[level], collective=collective[level], algorithm=algo)
+        if collective[level] == "broadcast":  # L broadcasts of n/L: one of them is n/L in t/L
+            sizes = tuple(n / ranks[level] for n in sizes)
+            times = tuple(t / ranks[level] for t in times)
+        fits[level] = cm.fit_link(
+            sizes, times, ranks=ranks[level], collective=collective[level], algorithm=fit_algorithm[level]
+        )
     if not any(level in fits for level in LEVELS):
         raise ValueError("no all-reduce measurements to fit: the world has one rank (calibrate needs >= 2)")
     for level in LEVELS:
@@ -285,7 +311,7 @@ def fit_profile(
     meta["fits"] = {
         level: {
             "ranks": ranks[level], "collective": collective[level],
-            "algorithm": algorithm if collective[level] == "allreduce" else "ring", "alpha": f.link.alpha,
+            "algorithm": fit_algorithm[level], "alpha": f.link.alpha,
             "beta": f.link.beta, "r2": f.r2, "max_rel_error": f.max_rel_error, "num_points": f.num_points,
         }
         for level, f in fits.items()
@@ -306,8 +332,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:g} B"
 
 
+def _shard_broadcasts_time(algorithm: str, ranks: int, nbytes: float, link: cm.Link) -> float:
+    """L broadcasts of ``nbytes / L`` in a row (what ``"intra_broadcast"`` points measure)."""
+    return ranks * cm.broadcast_time(algorithm, ranks, nbytes / ranks, link)
+
+
 _PREDICT: dict[str, Callable[[str, int, float, cm.Link], float]] = {
     "allreduce": cm.allreduce_time, "reduce_scatter": cm.reduce_scatter_time, "all_gather": cm.all_gather_time,
+    "broadcast": _shard_broadcasts_time,
 }
 
 

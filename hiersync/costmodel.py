@@ -55,6 +55,8 @@ __all__ = [
     "get_preset",
     "preset_for_backend",
     "choose_exact_algorithm",
+    "INTRA_ALGORITHMS",
+    "intra_algorithm_for_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,24 @@ FLAT_ALGORITHMS = ("ring", "tree", "auto")
 SCHEDULES = ("ddp", "hiersync", "intra_only")
 PLACEMENTS = ("hook", "optimizer", "overlap")
 PROFILE_FORMAT = "hiersync.profile/1"
+# How the two-level all-reduce reduces and gathers inside the node (HierComm.intra_algorithm):
+# "rs_ag": reduce-scatter -> rail all-reduce of the 1/L shard -> all-gather (bandwidth-optimal;
+# NCCL); "allreduce_bcast": all-reduce of the whole bucket -> rail all-reduce of this rank's 1/L
+# shard -> L broadcasts of n/L, each local rank the source of its own shard (gloo, whose CPU
+# reduce-scatter and all-gather are slower than its all-reduce and broadcast).
+INTRA_ALGORITHMS = ("rs_ag", "allreduce_bcast")
+
+
+def intra_algorithm_for_backend(backend: str) -> str:
+    """The intra algorithm ``HierComm`` picks on ``backend``: ``"allreduce_bcast"`` on gloo, else ``"rs_ag"``."""
+    return "allreduce_bcast" if str(backend).strip().lower() == "gloo" else "rs_ag"
+
+
+def _check_intra_algorithm(intra_algorithm: str | None, backend: str) -> str:
+    algo = intra_algorithm_for_backend(backend) if intra_algorithm is None else intra_algorithm
+    if algo not in INTRA_ALGORITHMS:
+        raise ValueError(f"unknown intra_algorithm {algo!r}; valid: {', '.join(INTRA_ALGORITHMS)} (or None)")
+    return algo
 
 
 def _check_number(name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> float:
@@ -328,20 +348,31 @@ def _two_level_stages(
     efficiency: float,
     rs_link: Link | None = None,
     ag_link: Link | None = None,
+    intra_algorithm: str = "rs_ag",
+    bcast_link: Link | None = None,
 ) -> tuple[float, float, float]:
-    """(intra reduce-scatter, rail all-reduce of n/L, intra all-gather) in seconds.
+    """(intra reduction, rail all-reduce of n/L, intra gather) in seconds.
 
-    ``rs_link`` / ``ag_link``: measured effective links of the node's reduce-scatter and
-    all-gather where they cost more than ``intra`` predicts (see :class:`Profile`).
+    ``"rs_ag"``: ring reduce-scatter of n, ring all-gather of n. ``"allreduce_bcast"``:
+    ring all-reduce of n on ``intra``, then L binomial broadcasts of n/L one after the
+    other. ``rs_link`` / ``ag_link`` / ``bcast_link``: measured effective links of the
+    node's reduce-scatter, all-gather and shard broadcast where they differ from what
+    ``intra`` predicts (see :class:`Profile`).
     """
     n = _check_number("nbytes", nbytes)
     n_nodes, lpn, _ = _check_topology(nodes, ranks_per_node, rails)
-    if n_nodes == 1 and (rs_link is not None or ag_link is not None):
+    if n_nodes == 1 and (rs_link is not None or ag_link is not None or intra_algorithm == "allreduce_bcast"):
         # hiersync runs one intra all-reduce then; with plain links RS + AG equals it anyway
         return allreduce_time("ring", lpn, n, intra), 0.0, 0.0
+    ar = _rail_allreduce(n / lpn, n_nodes, rail_link(inter, lpn, rails), inter_algorithm, efficiency)
+    if intra_algorithm == "allreduce_bcast":
+        first = allreduce_time("ring", lpn, n, intra)
+        # gloo's broadcast is a binomial tree: ceil(lg L) rounds of the whole message (one
+        # send with 2 ranks). HierComm issues the L shard broadcasts on one group: in order.
+        last = lpn * broadcast_time("binomial", lpn, n / lpn, bcast_link or intra)
+        return first, ar, last
     rs = reduce_scatter_time("ring", lpn, n, rs_link or intra)
     ag = all_gather_time("ring", lpn, n, ag_link or intra)
-    ar = _rail_allreduce(n / lpn, n_nodes, rail_link(inter, lpn, rails), inter_algorithm, efficiency)
     return rs, ar, ag
 
 
@@ -357,18 +388,29 @@ def hierarchical_allreduce_time(
     efficiency: float = DEFAULT_TREE_EFFICIENCY,
     reduce_scatter: Link | None = None,
     all_gather: Link | None = None,
+    intra_algorithm: str | None = None,
+    backend: str = "nccl",
+    broadcast: Link | None = None,
 ) -> float:
     """Seconds for hiersync's exact two-level all-reduce (one bucket, stages back to back).
 
-    ``[(L-1) a_i + (L-1)/L n b_i]`` (intra reduce-scatter) ``+`` all-reduce of ``n / L``
-    on the N ranks of each rail, all rails in parallel on a :func:`rail_link` ``+``
-    ``[(L-1) a_i + (L-1)/L n b_i]`` (intra all-gather). ``inter_algorithm`` may be
-    ``"auto"`` (faster of ring and tree). ``reduce_scatter`` / ``all_gather`` replace
+    ``intra_algorithm="rs_ag"``: ``[(L-1) a_i + (L-1)/L n b_i]`` (intra reduce-scatter)
+    ``+`` all-reduce of ``n / L`` on the N ranks of each rail, all rails in parallel on a
+    :func:`rail_link` ``+ [(L-1) a_i + (L-1)/L n b_i]`` (intra all-gather).
+    ``"allreduce_bcast"``: ``[2(L-1) a_i + 2(L-1)/L n b_i]`` (intra ring all-reduce of the
+    whole bucket) ``+`` the same rail leg ``+ L * ceil(lg L) * [a_i + n/L b_i]`` (L
+    binomial broadcasts of ``n / L``, one per local rank; ``a_i + n/2 b_i`` each for L = 2).
+    ``None``: what ``HierComm`` picks on ``backend`` (:func:`intra_algorithm_for_backend`;
+    the default ``"nccl"`` gives ``"rs_ag"``). ``inter_algorithm`` may be ``"auto"``
+    (faster of ring and tree). ``reduce_scatter`` / ``all_gather`` / ``broadcast`` replace
     ``intra`` in their stage with a measured effective link (a calibrated profile's
-    :attr:`Profile.intra_reduce_scatter` / :attr:`Profile.intra_all_gather`).
+    :attr:`Profile.intra_reduce_scatter` / :attr:`Profile.intra_all_gather` /
+    :attr:`Profile.intra_broadcast`); each is ignored by the variant that does not run it.
     """
+    algo = _check_intra_algorithm(intra_algorithm, backend)
     return sum(_two_level_stages(
-        nbytes, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, reduce_scatter, all_gather
+        nbytes, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, reduce_scatter, all_gather,
+        algo, broadcast,
     ))
 
 
@@ -384,21 +426,29 @@ def param_sync_time(
     compress_ratio: float = 1.0,
     efficiency: float = DEFAULT_TREE_EFFICIENCY,
     all_gather: Link | None = None,
+    intra_algorithm: str | None = None,
+    backend: str = "nccl",
+    broadcast: Link | None = None,
 ) -> float:
     """Seconds for one inter-node parameter average of ``nbytes`` (period > 1 sync).
 
     Ranks of a node hold identical parameters, so no intra reduce is needed: each rank
-    all-reduces its ``1/L`` shard on its rail, then the node all-gathers. ``compress_ratio``
-    (0.5 for bf16 deltas of fp32 parameters) scales the bytes of both legs.
-    ``all_gather``: measured effective link of the all-gather (default ``intra``).
+    all-reduces its ``1/L`` shard on its rail, then the node gathers the shards: one
+    all-gather (``intra_algorithm="rs_ag"``) or L broadcasts of ``n / L``
+    (``"allreduce_bcast"``); ``None``: by ``backend`` as in
+    :func:`hierarchical_allreduce_time`. ``compress_ratio`` (0.5 for bf16 deltas of fp32
+    parameters) scales the bytes of both legs. ``all_gather`` / ``broadcast``: measured
+    effective links of the gather (default ``intra``).
     """
     ratio = _check_number("compress_ratio", compress_ratio, strict=True)
+    algo = _check_intra_algorithm(intra_algorithm, backend)
     if nodes == 1:
         return 0.0
-    _, ar, ag = _two_level_stages(
-        nbytes * ratio, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, None, all_gather
+    _, ar, gather = _two_level_stages(
+        nbytes * ratio, nodes, ranks_per_node, intra, inter, rails, inter_algorithm, efficiency, None, all_gather,
+        algo, broadcast,
     )
-    return ar + ag
+    return ar + gather
 
 
 def _crossover(first: tuple[float, float], second: tuple[float, float]) -> float:
@@ -482,6 +532,10 @@ class Profile:
     intra_all_gather: Link | None = None
     """Measured effective link of the node's all-gather (gloo adds a flatten and a copy
     out through freshly allocated memory); None: :attr:`intra`."""
+    intra_broadcast: Link | None = None
+    """Measured effective link of one of the L shard broadcasts of the ``"allreduce_bcast"``
+    gather (fitted as L broadcasts of n/L in a row, as ``HierComm`` issues them); None:
+    :attr:`intra`, whose beta (fitted on all-reduces) also holds the reduction's cost."""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
     """Free-form JSON-able details (fit quality, hostnames, versions)."""
 
@@ -489,7 +543,7 @@ class Profile:
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise TypeError(f"Profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
-        for name in ("intra_reduce_scatter", "intra_all_gather"):
+        for name in ("intra_reduce_scatter", "intra_all_gather", "intra_broadcast"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), Link):
                 raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
         _check_topology(self.nodes, self.ranks_per_node, self.rails)
@@ -501,6 +555,11 @@ class Profile:
     def flat_algorithm(self) -> str:
         """``"auto"`` under NCCL (its tuner picks ring or tree), ``"ring"`` otherwise (gloo)."""
         return "auto" if "nccl" in self.backend.lower() else "ring"
+
+    @property
+    def intra_algorithm(self) -> str:
+        """What ``HierComm`` runs inside the node on :attr:`backend`: ``"allreduce_bcast"`` on gloo, else ``"rs_ag"``."""
+        return intra_algorithm_for_backend(self.backend)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -515,6 +574,7 @@ class Profile:
             "inter": self.inter.to_json(),
             "intra_reduce_scatter": None if self.intra_reduce_scatter is None else self.intra_reduce_scatter.to_json(),
             "intra_all_gather": None if self.intra_all_gather is None else self.intra_all_gather.to_json(),
+            "intra_broadcast": None if self.intra_broadcast is None else self.intra_broadcast.to_json(),
             "source": self.source,
             "metadata": dict(self.metadata),
         }
@@ -542,6 +602,7 @@ class Profile:
             tree_efficiency=obj.get("tree_efficiency", DEFAULT_TREE_EFFICIENCY),
             intra_reduce_scatter=_optional_link(obj.get("intra_reduce_scatter")),
             intra_all_gather=_optional_link(obj.get("intra_all_gather")),
+            intra_broadcast=_optional_link(obj.get("intra_broadcast")),
             name=obj.get("name", ""),
             source=obj.get("source", ""),
             metadata=dict(obj.get("metadata") or {}),
@@ -621,13 +682,17 @@ def preset_for_backend(backend: str) -> str:
     return "emulated"
 
 
-def choose_exact_algorithm(nbytes: float, nodes: int, ranks_per_node: int, profile: Profile) -> str:
+def choose_exact_algorithm(
+    nbytes: float, nodes: int, ranks_per_node: int, profile: Profile, *, intra_algorithm: str | None = None
+) -> str:
     """``"flat"`` or ``"two_level"``: the faster exact all-reduce of one ``nbytes`` bucket.
 
     Compares :func:`flat_allreduce_time` with :func:`hierarchical_allreduce_time` on
     ``profile``'s links; under NCCL both legs use the faster of ring and tree. One node
     or one rank per node: ``"flat"`` (two levels would add steps for nothing). Ties: flat.
+    ``intra_algorithm``: the two-level variant (default :attr:`Profile.intra_algorithm`).
     """
+    algo_intra = _check_intra_algorithm(intra_algorithm, profile.backend)
     if nodes <= 1 or ranks_per_node <= 1:
         return "flat"
     algo = profile.flat_algorithm
@@ -635,7 +700,7 @@ def choose_exact_algorithm(nbytes: float, nodes: int, ranks_per_node: int, profi
     flat = flat_allreduce_time(*args, algo, efficiency=profile.tree_efficiency)
     two = hierarchical_allreduce_time(
         *args, algo, efficiency=profile.tree_efficiency, reduce_scatter=profile.intra_reduce_scatter,
-        all_gather=profile.intra_all_gather,
+        all_gather=profile.intra_all_gather, intra_algorithm=algo_intra, broadcast=profile.intra_broadcast,
     )
     return "two_level" if two < flat else "flat"
 
@@ -704,6 +769,7 @@ def step_time(
     nodes: int | None = None,
     ranks_per_node: int | None = None,
     algorithm: str | None = None,
+    intra_algorithm: str | None = None,
 ) -> StepTime:
     """Predict per-step communication and exposed time of one schedule.
 
@@ -717,8 +783,10 @@ def step_time(
     fully exposed) or ``"overlap"`` (hidden behind the next step's ``compute_s``).
     ``compute_s`` defaults to ``backward_s``. ``algorithm`` (``"ring"``, ``"tree"``,
     ``"auto"``) is the flat all-reduce and the rail all-reduce; default
-    ``profile.flat_algorithm``. ``nodes`` / ``ranks_per_node`` override the profile's.
-    Warmup steps are not modelled.
+    ``profile.flat_algorithm``. ``intra_algorithm`` (``"rs_ag"``, ``"allreduce_bcast"``) is
+    how the two-level all-reduce and the parameter average reduce and gather inside the
+    node; default :attr:`Profile.intra_algorithm` (by backend, as ``HierComm`` picks).
+    ``nodes`` / ``ranks_per_node`` override the profile's. Warmup steps are not modelled.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -738,6 +806,8 @@ def step_time(
         raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(FLAT_ALGORITHMS)}")
     links = (profile.intra, profile.inter, profile.rails)
     rs_link, ag_link = profile.intra_reduce_scatter, profile.intra_all_gather
+    bc_link = profile.intra_broadcast
+    intra_algo = _check_intra_algorithm(intra_algorithm, profile.backend)
 
     sizes = _bucket_sizes(g, b)
     ready, done = [], 0.0
@@ -754,11 +824,15 @@ def step_time(
             elif kind == "intra":
                 cache[key] = [("intra", allreduce_time("ring", lpn, n, profile.intra))]
             else:
-                rs, ar, ag = _two_level_stages(n, n_nodes, lpn, *links, algo, eta, rs_link, ag_link)
+                rs, ar, ag = _two_level_stages(
+                    n, n_nodes, lpn, *links, algo, eta, rs_link, ag_link, intra_algo, bc_link
+                )
                 if kind == "two_level":
                     cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
                 else:  # intra all-reduce of the gradient, then the bucket's parameter average
-                    _, ar, ag = _two_level_stages(n * ratio, n_nodes, lpn, *links, algo, eta, None, ag_link)
+                    _, ar, ag = _two_level_stages(
+                        n * ratio, n_nodes, lpn, *links, algo, eta, None, ag_link, intra_algo, bc_link
+                    )
                     cache[key] = chain("intra", n) + [("rail", ar), ("intra", ag)]
         return cache[key]
 
@@ -780,7 +854,8 @@ def step_time(
                 sync_comm, sync_exposed = run("sync")
             else:
                 sync_comm = param_sync_time(
-                    g, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta, all_gather=ag_link
+                    g, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta, all_gather=ag_link,
+                    intra_algorithm=intra_algo, broadcast=bc_link,
                 )
                 hidden = compute if placement == "overlap" else 0.0
                 sync_exposed = exposed + max(0.0, sync_comm - hidden)

@@ -67,12 +67,33 @@ def test_measured_intra_collectives_drive_the_two_level_model():
     assert cm.hierarchical_allreduce_time(n, 1, 2, intra, inter, reduce_scatter=rs, all_gather=ag) == \
         pytest.approx(cm.allreduce_time("ring", 2, n, intra))
     # The schedule model and "auto" read the measured links from the profile.
-    kw = dict(grad_bytes=n, bucket_bytes=n, backward_s=0.0)
+    # (intra_algorithm="rs_ag": the variant that runs a reduce-scatter and an all-gather; a
+    # gloo profile's default is "allreduce_bcast", tested in test_costmodel.py)
+    kw = dict(grad_bytes=n, bucket_bytes=n, backward_s=0.0, intra_algorithm="rs_ag")
     plain = cm.Profile(intra=profile.intra, inter=profile.inter, nodes=2, ranks_per_node=2, backend="gloo")
     assert cm.step_time("hiersync", profile=profile, **kw).comm_s == pytest.approx(got, rel=1e-6)
     assert cm.step_time("hiersync", profile=profile, **kw).comm_s > cm.step_time("hiersync", profile=plain, **kw).comm_s
     sync = cm.param_sync_time(n, 2, 2, intra, inter, all_gather=ag)
     assert sync == pytest.approx(cm.allreduce_time("ring", 2, n / 2, inter) + cm.all_gather_time("ring", 2, n, ag))
+
+
+def test_measured_shard_broadcasts_drive_the_allreduce_bcast_model():
+    intra, inter = cm.Link(40e-6, 1 / 3e9), cm.Link(80e-6, 1 / 95e6)
+    bc = cm.Link(20e-6, 1 / 6e9)
+    # a point is n bytes moved as 2 broadcasts of n/2 (one per local rank), in a row
+    points = {"intra": _points(intra, 2), "inter": _points(inter, 2),
+              "intra_broadcast": [(n, 2 * cm.broadcast_time("binomial", 2, n / 2, bc)) for n in SIZES]}
+    profile, fits = fit_profile(points, nodes=2, ranks_per_node=2, backend="gloo")
+    assert profile.intra_broadcast.alpha == pytest.approx(bc.alpha, rel=1e-6)
+    assert profile.intra_broadcast.beta == pytest.approx(bc.beta, rel=1e-6)
+    assert fits["intra_broadcast"].r2 == pytest.approx(1.0)
+    assert cm.Profile.from_json(profile.to_json()).intra_broadcast == profile.intra_broadcast
+    n = 8e6
+    want = cm.allreduce_time("ring", 2, n, intra) + cm.allreduce_time("ring", 2, n / 2, inter) + \
+        2 * (bc.alpha + n / 2 * bc.beta)
+    kw = dict(grad_bytes=n, bucket_bytes=n, backward_s=0.0)
+    assert cm.step_time("hiersync", profile=profile, **kw).comm_s == pytest.approx(want, rel=1e-6)
+    assert "+0.0%" in format_fits(profile, fits).split("intra_broadcast: broadcast on 2 ranks")[1]
 
 
 @pytest.mark.parametrize(
@@ -124,7 +145,8 @@ def test_calibrate_command_writes_profile(calibrated, capsys):
     assert profile.intra.beta >= 0 and profile.inter.beta >= 0  # noisy tiny sweep: only signs are sure
     assert profile.intra_reduce_scatter is not None and profile.intra_all_gather is not None
     meta = profile.metadata
-    assert set(meta["fits"]) == {"intra", "inter", "intra_reduce_scatter", "intra_all_gather"}
+    assert set(meta["fits"]) == {"intra", "inter", "intra_reduce_scatter", "intra_all_gather", "intra_broadcast"}
+    assert profile.intra_broadcast is not None and meta["fits"]["intra_broadcast"]["algorithm"] == "binomial"
     assert [n for n, _ in meta["points"]["inter"]] == [4096, 65536, 262144]
     assert all(t > 0 for level in meta["points"].values() for _, t in level)
     assert meta["mode"].startswith("local 2x2") and meta["topology"] == [[0, 1], [2, 3]]

@@ -269,6 +269,94 @@ def test_param_sync_time():
     assert cm.param_sync_time(n, 1, 8, INTRA, INTER) == 0.0
 
 
+def test_hierarchical_allreduce_bcast_by_hand():
+    n = 8e6  # N=4, L=8, one NIC per rank
+    ar_intra = 2 * 7 * 1e-6 + 2 * 7 / 8 * n * 1e-11  # ring all-reduce of n on 8 ranks: 1.54e-4
+    rail = 6e-5 + 1.5 * (n / 8) * 1e-10  # ring all-reduce of n/L on N=4: 2.1e-4
+    bcast = 8 * (3 * 1e-6 + 3 * (n / 8) * 1e-11)  # 8 binomial broadcasts of n/8, lg 8 = 3: 2.64e-4
+    t = cm.hierarchical_allreduce_time(n, 4, 8, INTRA, INTER, intra_algorithm="allreduce_bcast")
+    assert t == pytest.approx(ar_intra + rail + bcast, rel=1e-12)
+    assert t == pytest.approx(6.28e-4, rel=1e-12)
+    assert cm.param_sync_time(n, 4, 8, INTRA, INTER, intra_algorithm="allreduce_bcast") == pytest.approx(4.74e-4)
+
+
+def test_allreduce_bcast_two_ranks_per_node_by_hand():
+    """The testbed's shape (2 x 2, one NIC): each broadcast is one send of n/2."""
+    intra, inter, bc = Link(1e-3, 2e-9), Link(1e-3, 1e-8), Link(5e-4, 5e-10)
+    n = 64e6
+    # intra all-reduce 2e-3 + 64e6 * 2e-9 = 0.130; rail (beta x 2 for 2 rails on 1 NIC)
+    # 2e-3 + 32e6 * 2e-8 = 0.642; broadcasts 2 * (5e-4 + 32e6 * 5e-10) = 0.033
+    kw = dict(rails=1, intra_algorithm="allreduce_bcast")
+    assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, broadcast=bc, **kw) == pytest.approx(0.805)
+    assert cm.param_sync_time(n, 2, 2, intra, inter, broadcast=bc, **kw) == pytest.approx(0.675)
+    # without a measured broadcast link the intra link: 2 * (1e-3 + 32e6 * 2e-9) = 0.130
+    assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, **kw) == pytest.approx(0.902)
+    assert cm.param_sync_time(n, 2, 2, intra, inter, compress_ratio=0.5, **kw) == pytest.approx(
+        2e-3 + 16e6 * 2e-8 + 2 * (1e-3 + 16e6 * 2e-9))
+    # each variant ignores the other's measured links
+    rs = ag = Link(1.0, 1.0)
+    assert cm.hierarchical_allreduce_time(
+        n, 2, 2, intra, inter, broadcast=bc, reduce_scatter=rs, all_gather=ag, **kw) == pytest.approx(0.805)
+    assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, broadcast=Link(1.0, 1.0)) == \
+        pytest.approx(cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, intra_algorithm="rs_ag"))
+    # one node: HierComm runs one intra all-reduce; one rank per node: the rail all-reduce alone
+    assert cm.hierarchical_allreduce_time(n, 1, 2, intra, inter, broadcast=bc, **kw) == pytest.approx(0.130)
+    assert cm.hierarchical_allreduce_time(n, 2, 1, intra, inter, broadcast=bc, **kw) == pytest.approx(
+        cm.allreduce_time("ring", 2, n, inter))
+    assert cm.param_sync_time(n, 1, 2, intra, inter, **kw) == 0.0
+
+
+def test_intra_algorithm_follows_the_backend():
+    assert cm.intra_algorithm_for_backend("gloo") == "allreduce_bcast"
+    for backend in ("nccl", "cpu:gloo,cuda:nccl", "mpi"):
+        assert cm.intra_algorithm_for_backend(backend) == "rs_ag"
+    n, args = 8e6, (4, 8, INTRA, INTER)
+    bcast = cm.hierarchical_allreduce_time(n, *args, intra_algorithm="allreduce_bcast")
+    rs_ag = cm.hierarchical_allreduce_time(n, *args, intra_algorithm="rs_ag")
+    assert cm.hierarchical_allreduce_time(n, *args) == rs_ag  # default backend "nccl"
+    assert cm.hierarchical_allreduce_time(n, *args, backend="gloo") == bcast
+    assert cm.param_sync_time(n, *args, backend="gloo") == cm.param_sync_time(
+        n, *args, intra_algorithm="allreduce_bcast")
+    assert cm.PRESETS["emulated"].intra_algorithm == "allreduce_bcast"
+    assert H100.intra_algorithm == "rs_ag"
+    with pytest.raises(ValueError, match="rs_ag, allreduce_bcast"):
+        cm.hierarchical_allreduce_time(n, *args, intra_algorithm="ring")
+    with pytest.raises(ValueError, match="intra_algorithm"):
+        cm.param_sync_time(n, *args, intra_algorithm="bcast")
+
+
+def test_step_time_and_auto_use_the_profiles_intra_algorithm():
+    emu = cm.PRESETS["emulated"]  # gloo
+    bc = Link(2e-5, 1 / 6e9)  # a broadcast moves bytes without reducing them: faster than "intra"
+    prof = replace(emu, intra_broadcast=bc)
+    links = (emu.intra, emu.inter, emu.rails)
+    kw = dict(profile=prof, grad_bytes=25e6, bucket_bytes=25e6, backward_s=0.0)
+    one = cm.step_time("hiersync", **kw)  # one bucket, nothing to overlap: the stages back to back
+    assert one.comm_s == pytest.approx(cm.hierarchical_allreduce_time(
+        25e6, 2, 2, *links, intra_algorithm="allreduce_bcast", broadcast=bc))
+    rs_ag = cm.step_time("hiersync", intra_algorithm="rs_ag", **kw)
+    assert rs_ag.comm_s == pytest.approx(cm.hierarchical_allreduce_time(25e6, 2, 2, *links))
+    # period 4, optimizer placement: the sync is param_sync_time of the same variant
+    local = cm.step_time("intra_only", **kw)
+    opt = cm.step_time("hiersync", period=4, placement="optimizer", **kw)
+    sync = cm.param_sync_time(25e6, 2, 2, *links, intra_algorithm="allreduce_bcast", broadcast=bc)
+    assert opt.exposed_s == pytest.approx(local.exposed_s + sync / 4)
+    # hook placement: intra all-reduce, then the rail leg and the L broadcasts
+    hook = cm.step_time("hiersync", period=2, **kw)
+    _, ar, gather = cm._two_level_stages(25e6, 2, 2, *links, "ring", cm.DEFAULT_TREE_EFFICIENCY, None, None,
+                                         "allreduce_bcast", bc)
+    assert hook.comm_s == pytest.approx((2 * local.comm_s + ar + gather) / 2)
+    with pytest.raises(ValueError, match="intra_algorithm"):
+        cm.step_time("hiersync", intra_algorithm="tree", **kw)
+    for n in (1e3, 1e6, 1e8):
+        assert cm.choose_exact_algorithm(n, 2, 2, prof) == "two_level"
+        assert cm.choose_exact_algorithm(n, 2, 2, prof, intra_algorithm="rs_ag") == "two_level"
+    # a broadcast 1000x slower than the intra link makes two levels lose to flat
+    slow = replace(emu, intra_broadcast=Link(1.0, 1e-6))
+    assert cm.choose_exact_algorithm(1e8, 2, 2, slow) == "flat"
+    assert cm.choose_exact_algorithm(1e8, 2, 2, slow, intra_algorithm="rs_ag") == "two_level"
+
+
 # --- the NCCL anchor ---------------------------------------------------------------------------
 
 
@@ -341,6 +429,16 @@ def test_profile_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]  # no temporary left behind
 
 
+def test_profile_intra_broadcast_round_trip():
+    prof = replace(cm.PRESETS["emulated"], intra_broadcast=Link(5e-4, 5e-10))
+    assert cm.Profile.from_json(prof.to_json()).intra_broadcast == Link(5e-4, 5e-10)
+    old = prof.to_json()
+    del old["intra_broadcast"]  # a profile written before the field existed
+    assert cm.Profile.from_json(old).intra_broadcast is None
+    with pytest.raises(TypeError, match="intra_broadcast"):
+        replace(prof, intra_broadcast=(5e-4, 5e-10))
+
+
 def test_profile_validation():
     with pytest.raises(ValueError, match="lacks"):
         cm.Profile.from_json({"intra": LINK.to_json()})
@@ -404,7 +502,7 @@ def test_period_amortizes_and_approaches_intra_only():
 def test_placements_and_compression():
     prof = cm.PRESETS["emulated"]
     local = cm.step_time("intra_only", **_emu())
-    sync = cm.param_sync_time(100e6, 2, 2, prof.intra, prof.inter, prof.rails)
+    sync = cm.param_sync_time(100e6, 2, 2, prof.intra, prof.inter, prof.rails, backend=prof.backend)
     opt = cm.step_time("hiersync", period=4, placement="optimizer", **_emu())
     assert opt.exposed_s == pytest.approx(local.exposed_s + sync / 4)
     assert opt.label == "hiersync k=4 optimizer"
