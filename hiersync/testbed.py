@@ -187,7 +187,12 @@ def _kill(pids: Sequence[int], sig: int) -> None:
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so every ``finally`` cleanup runs."""
+    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so every ``finally`` cleanup runs.
+
+    SIGINT is included explicitly: a process started from a non-interactive shell's
+    background job inherits SIGINT as *ignored*, and Python then installs no handler, so
+    Ctrl-C (or ``kill -INT``) would leave the job and its namespaces running.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -195,7 +200,7 @@ def _signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
