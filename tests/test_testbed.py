@@ -6,6 +6,7 @@ launched here do not import torch (only the torchrun agents do), to stay quick.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -120,10 +121,17 @@ def test_sigint_removes_namespaces_and_processes(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        # Never leave anything behind, even when an assertion here fails: the torchrun
+        # agents (their --rdzv-id names this testbed) and the namespaces.
+        stray = _procs_running(f"{testbed.NS_PREFIX}{proc.pid}-") + _procs_running(str(script))
+        for pid in stray:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         leaked = {n for n in _netns() if n.startswith(f"{testbed.NS_PREFIX}{proc.pid}-")}
-        for n in leaked:  # never leave namespaces behind, even when the assertion below fails
+        for n in leaked:
             subprocess.run(["ip", "netns", "del", n], check=False)
     assert not leaked
+    assert not stray
     assert not _procs_running(str(script))
 
 
