@@ -416,9 +416,7 @@ class HierComm:
         return self._flat(tensor, self.groups.intra, INTRA, "intra all-reduce")
 
     # ------------------------------------------------------------- parameters
-    def average_across_nodes(
-        self, flat: torch.Tensor, weight_by_node_size: bool = True
-    ) -> torch.futures.Future:
+    def average_across_nodes(self, flat: torch.Tensor) -> torch.futures.Future:
         """Average a node-identical 1-D tensor across nodes; the future holds the result.
 
         Every rank of a node must pass the same values (intra replicas are identical), so
@@ -486,8 +484,3 @@ class HierComm:
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
             ready = _span("hiersync/intra_param_broadcast", ready)
         return _after(ready, lambda: flat)
-
-    def barrier_free_flush(self) -> None:
-        """Wait until every launched leg has been issued (used before tearing down)."""
-        self._seq_rail._tail.wait()
-        self._seq_late._tail.wait()

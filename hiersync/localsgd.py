@@ -121,9 +121,6 @@ class ParamAverager:
             out.append(i)
         return out
 
-    def index_of(self, p: torch.Tensor) -> int | None:
-        return self._index.get(id(p))
-
     def _bind_loaded(self, i: int, p: torch.Tensor) -> None:
         for key, store in (("anchor", self.anchor), ("momentum", self.momentum)):
             saved = self._pending_load.get(key)

@@ -20,8 +20,10 @@ detection entirely. Note that ``ip netns exec`` keeps the hostname.
 Example::
 
     >>> topo = Topology.from_node_ids([0, 1, 0, 1])
-    >>> topo.nodes, topo.ranks_per_node, topo.local_rank(2), topo.rail(1)
-    ((0, 2), (1, 3)), 2, 1, (1, 3)
+    >>> topo.nodes
+    ((0, 2), (1, 3))
+    >>> topo.ranks_per_node, topo.local_rank(2), topo.rail(1)
+    (2, 1, (2, 3))
 """
 
 from __future__ import annotations
