@@ -420,7 +420,9 @@ class HierState:
             else:
                 profile = costmodel.PRESETS[costmodel.preset_for_backend(self.backend)]
             self._profile = profile
-            choice = costmodel.choose_exact_algorithm(nbytes, topo.num_nodes, topo.ranks_per_node, profile)
+            choice = costmodel.choose_exact_algorithm(
+                nbytes, topo.num_nodes, topo.ranks_per_node, profile, intra_algorithm=self.comm.intra_algorithm
+            )
             choice = "flat" if choice == "flat" else "two_level"
         self._auto_cache[nbytes] = choice
         logger.debug("hiersync auto: %d-byte buckets use %s", nbytes, choice)
