@@ -217,6 +217,8 @@ class HierState:
 
     def state_dict(self) -> dict:
         """Everything needed to continue the schedule exactly: save it with the model and optimizer."""
+        # Finish in-flight syncs first: their completion updates the anchor and momentum
+        # that averager.state() below saves.
         for p in self._pending:
             p.resolve()
         return {
@@ -473,8 +475,8 @@ class HierState:
             if self.overlap:
                 for idx in chunks:
                     params = [self.averager.params[i] for i in idx]
-                    snapshot = torch.cat([p.detach().reshape(-1).float() for p in params])
-                    self._pending.append(Pending(idx, snapshot, self.averager.launch(params)))
+                    snapshot = self.averager.flat(idx)
+                    self._pending.append(Pending(idx, snapshot, self.averager.launch(params, snapshot)))
                 return
             futs = [self.averager.launch([self.averager.params[i] for i in idx]) for idx in chunks]
             for idx, fut in zip(chunks, futs):

@@ -144,7 +144,8 @@ class ParamAverager:
                 self.anchor[i] = self.params[i].detach().float().clone()
 
     # ------------------------------------------------------------- averaging
-    def _flat(self, indices: list[int]) -> torch.Tensor:
+    def flat(self, indices: list[int]) -> torch.Tensor:
+        """A new fp32 vector of the parameters at registry positions ``indices``."""
         return torch.cat([self.params[i].detach().reshape(-1).float() for i in indices])
 
     def _flat_anchor(self, indices: list[int]) -> torch.Tensor:
@@ -156,17 +157,21 @@ class ParamAverager:
             )
         return torch.cat([self.anchor[i].reshape(-1) for i in indices])
 
-    def launch(self, params: Sequence[torch.Tensor]) -> torch.futures.Future:
+    def launch(self, params: Sequence[torch.Tensor], x: torch.Tensor | None = None) -> torch.futures.Future:
         """Start averaging ``params`` across nodes; the future's value is the fp32 target.
 
         The target is the new value every rank will hold: the plain average, or the outer
         optimizer's step from the anchor. Anchor and momentum are updated when the transfer
-        completes. Nothing is written to the parameters: see :meth:`write`.
+        completes. Nothing is written to the parameters: see :meth:`write`. ``x``: the
+        parameters as :meth:`flat` returns them, if the caller has them already (it is
+        left unchanged; the transfer then needs no second flattening copy when compressed).
         """
         indices = self.register(params)
-        x = self._flat(indices)
+        owned = x is None
+        if x is None:
+            x = self.flat(indices)
         if self.compress is None:
-            payload = x
+            payload = x if owned else x.clone()  # the transfer overwrites its payload
             anchor = self._flat_anchor(indices) if self.outer_lr is not None else None
         else:
             anchor = self._flat_anchor(indices)
