@@ -20,8 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collbench": ("hiersync.collbench", "nccl-tests-like collective microbenchmark per level"),
     "testbed": ("hiersync.testbed", "run a script on an emulated multi-node cluster (netns + shaped link)"),
     "calibrate": ("hiersync.calibrate", "measure alpha/beta per level and write a JSON profile"),
-    "plan": ("hiersync.planner", "predict step communication time and recommend bucket size and k"),
-    "project": ("hiersync.projection", "tabulate and plot predicted times for 8..1024 GPUs"),
+    "plan": ("hiersync.costmodel.planner", "predict step communication time and recommend bucket size and k"),
+    "project": ("hiersync.costmodel.projection", "tabulate and plot predicted times for 8..1024 GPUs"),
 }
 
 
@@ -50,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     cmd_parser = argparse.ArgumentParser(prog=f"python -m hiersync {ns.command}", description=help_)
     module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[len(head):])
+    args = cmd_parser.parse_args(argv[len(head) :])
     return int(module.run(args) or 0)

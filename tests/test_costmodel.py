@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import logging
 import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -100,9 +102,9 @@ def test_unknown_algorithm_lists_valid_names():
 
 
 def test_link_validation_names_the_value():
-    with pytest.raises(ValueError, match="alpha.*-1"):
+    with pytest.raises(ValueError, match=r"alpha.*-1"):
         Link(-1, 1e-9)
-    with pytest.raises(ValueError, match="beta.*nan"):
+    with pytest.raises(ValueError, match=r"beta.*nan"):
         Link(0, float("nan"))
     with pytest.raises(TypeError, match="gamma"):
         Link(0, 0, "1")
@@ -226,12 +228,15 @@ def test_hierarchical_by_hand():
 def test_hierarchical_degenerate_shapes():
     n = 3e7
     assert cm.hierarchical_allreduce_time(n, 1, 8, INTRA, INTER) == pytest.approx(
-        cm.allreduce_time("ring", 8, n, INTRA))
+        cm.allreduce_time("ring", 8, n, INTRA)
+    )
     assert cm.hierarchical_allreduce_time(n, 16, 1, INTRA, INTER, inter_algorithm="tree") == pytest.approx(
-        cm.allreduce_time("tree", 16, n, INTER))
+        cm.allreduce_time("tree", 16, n, INTER)
+    )
     auto = cm.hierarchical_allreduce_time(n, 16, 4, INTRA, INTER, inter_algorithm="auto")
-    assert auto == pytest.approx(min(
-        cm.hierarchical_allreduce_time(n, 16, 4, INTRA, INTER, inter_algorithm=a) for a in ("ring", "tree")))
+    assert auto == pytest.approx(
+        min(cm.hierarchical_allreduce_time(n, 16, 4, INTRA, INTER, inter_algorithm=a) for a in ("ring", "tree"))
+    )
 
 
 def test_flat_by_hand():
@@ -292,17 +297,21 @@ def test_allreduce_bcast_two_ranks_per_node_by_hand():
     # without a measured broadcast link the intra link: 2 * (1e-3 + 32e6 * 2e-9) = 0.130
     assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, **kw) == pytest.approx(0.902)
     assert cm.param_sync_time(n, 2, 2, intra, inter, compress_ratio=0.5, **kw) == pytest.approx(
-        2e-3 + 16e6 * 2e-8 + 2 * (1e-3 + 16e6 * 2e-9))
+        2e-3 + 16e6 * 2e-8 + 2 * (1e-3 + 16e6 * 2e-9)
+    )
     # each variant ignores the other's measured links
     rs = ag = Link(1.0, 1.0)
     assert cm.hierarchical_allreduce_time(
-        n, 2, 2, intra, inter, broadcast=bc, reduce_scatter=rs, all_gather=ag, **kw) == pytest.approx(0.805)
-    assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, broadcast=Link(1.0, 1.0)) == \
-        pytest.approx(cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, intra_algorithm="rs_ag"))
+        n, 2, 2, intra, inter, broadcast=bc, reduce_scatter=rs, all_gather=ag, **kw
+    ) == pytest.approx(0.805)
+    assert cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, broadcast=Link(1.0, 1.0)) == pytest.approx(
+        cm.hierarchical_allreduce_time(n, 2, 2, intra, inter, rails=1, intra_algorithm="rs_ag")
+    )
     # one node: HierComm runs one intra all-reduce; one rank per node: the rail all-reduce alone
     assert cm.hierarchical_allreduce_time(n, 1, 2, intra, inter, broadcast=bc, **kw) == pytest.approx(0.130)
     assert cm.hierarchical_allreduce_time(n, 2, 1, intra, inter, broadcast=bc, **kw) == pytest.approx(
-        cm.allreduce_time("ring", 2, n, inter))
+        cm.allreduce_time("ring", 2, n, inter)
+    )
     assert cm.param_sync_time(n, 1, 2, intra, inter, **kw) == 0.0
 
 
@@ -316,7 +325,8 @@ def test_intra_algorithm_follows_the_backend():
     assert cm.hierarchical_allreduce_time(n, *args) == rs_ag  # default backend "nccl"
     assert cm.hierarchical_allreduce_time(n, *args, backend="gloo") == bcast
     assert cm.param_sync_time(n, *args, backend="gloo") == cm.param_sync_time(
-        n, *args, intra_algorithm="allreduce_bcast")
+        n, *args, intra_algorithm="allreduce_bcast"
+    )
     assert cm.PRESETS["emulated"].intra_algorithm == "allreduce_bcast"
     assert H100.intra_algorithm == "rs_ag"
     with pytest.raises(ValueError, match="rs_ag, allreduce_bcast"):
@@ -332,8 +342,9 @@ def test_step_time_and_auto_use_the_profiles_intra_algorithm():
     links = (emu.intra, emu.inter, emu.rails)
     kw = dict(profile=prof, grad_bytes=25e6, bucket_bytes=25e6, backward_s=0.0)
     one = cm.step_time("hiersync", **kw)  # one bucket, nothing to overlap: the stages back to back
-    assert one.comm_s == pytest.approx(cm.hierarchical_allreduce_time(
-        25e6, 2, 2, *links, intra_algorithm="allreduce_bcast", broadcast=bc))
+    assert one.comm_s == pytest.approx(
+        cm.hierarchical_allreduce_time(25e6, 2, 2, *links, intra_algorithm="allreduce_bcast", broadcast=bc)
+    )
     rs_ag = cm.step_time("hiersync", intra_algorithm="rs_ag", **kw)
     assert rs_ag.comm_s == pytest.approx(cm.hierarchical_allreduce_time(25e6, 2, 2, *links))
     # period 4, optimizer placement: the sync is param_sync_time of the same variant
@@ -343,8 +354,9 @@ def test_step_time_and_auto_use_the_profiles_intra_algorithm():
     assert opt.exposed_s == pytest.approx(local.exposed_s + sync / 4)
     # hook placement: intra all-reduce, then the rail leg and the L broadcasts
     hook = cm.step_time("hiersync", period=2, **kw)
-    _, ar, gather = cm._two_level_stages(25e6, 2, 2, *links, "ring", cm.DEFAULT_TREE_EFFICIENCY, None, None,
-                                         "allreduce_bcast", bc)
+    _, ar, gather = cm.two_level_stages(
+        25e6, 2, 2, *links, "ring", cm.DEFAULT_TREE_EFFICIENCY, None, None, "allreduce_bcast", bc
+    )
     assert hook.comm_s == pytest.approx((2 * local.comm_s + ar + gather) / 2)
     with pytest.raises(ValueError, match="intra_algorithm"):
         cm.step_time("hiersync", intra_algorithm="tree", **kw)
@@ -388,8 +400,11 @@ def test_nccl_anchor_tree_up_to_multi_gb_at_128x8():
     lo, hi = 1e6, 1e12
     for _ in range(100):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if _nccl_tuning_model("tree", mid, 128, 8) < _nccl_tuning_model("ring", mid, 128, 8) \
+        lo, hi = (
+            (mid, hi)
+            if _nccl_tuning_model("tree", mid, 128, 8) < _nccl_tuning_model("ring", mid, 128, 8)
             else (lo, mid)
+        )
     assert 0.5 < ours / lo < 2.0
     # and on 2 nodes both switch to ring near 100 MB
     small = cm.flat_crossover_bytes(2, 8, H100.intra, H100.inter, H100.rails)
@@ -446,7 +461,7 @@ def test_profile_validation():
         cm.Profile.from_json({**H100.to_json(), "format": "other/9"})
     with pytest.raises(ValueError, match="ranks_per_node must be >= 1, got 0"):
         replace(H100, ranks_per_node=0)
-    with pytest.raises(TypeError, match="Profile.intra"):
+    with pytest.raises(TypeError, match=r"Profile\.intra"):
         replace(H100, intra=(1, 2))
     with pytest.raises(ValueError, match="alpha"):
         cm.Profile.from_json({**H100.to_json(), "inter": {"alpha": -1, "beta": 1}})
@@ -468,8 +483,8 @@ def test_choose_exact_algorithm():
 def test_simulate_fifo_per_group_by_hand():
     chain = [("intra", 1.0), ("rail", 10.0), ("intra", 1.0)]
     # rs1 [0,1] rs2 [1,2]; ar1 [1,11] ar2 [11,21]; ag1 [11,12] ag2 [21,22]
-    assert cm._simulate([0.0, 0.0], [chain, chain]) == pytest.approx(22.0)
-    assert cm._simulate([0.0, 50.0], [chain, chain]) == pytest.approx(62.0)
+    assert cm.simulate([0.0, 0.0], [chain, chain]) == pytest.approx(22.0)
+    assert cm.simulate([0.0, 50.0], [chain, chain]) == pytest.approx(62.0)
 
 
 def _emu(**kw):
@@ -566,9 +581,21 @@ def test_fit_clamps_negative_and_rejects_bad_input():
 # --- purity ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["costmodel.py", "planner.py", "projection.py"])
+@pytest.mark.parametrize("module", sorted(p.name for p in Path(cm.__file__).parent.glob("*.py")))
 def test_never_imports_torch(module):
     tree = ast.parse((Path(cm.__file__).parent / module).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.split(".")[0] == "torch"]
+
+
+def test_importing_the_cost_model_loads_no_torch():
+    """The whole subpackage, planner and projection included, runs where torch is absent."""
+    code = (
+        "import sys\n"
+        "import hiersync.costmodel, hiersync.costmodel.planner, hiersync.costmodel.projection\n"
+        "from hiersync import costmodel as cm\n"
+        "cm.step_time('hiersync', profile=cm.PRESETS['emulated'], grad_bytes=1e8, bucket_bytes=2**25, backward_s=0.1)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

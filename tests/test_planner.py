@@ -1,4 +1,4 @@
-"""hiersync.planner: the recommendation and the verdict, checked on the presets."""
+"""hiersync.costmodel.planner: the recommendation and the verdict, checked on the presets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from hiersync import cli
 from hiersync import costmodel as cm
-from hiersync.planner import format_plan, make_plan
+from hiersync.costmodel.planner import format_plan, make_plan
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def test_h100_8rail_cannot_help_much(h100_plan):
     plan = h100_plan
     assert not plan.helps
     assert "cannot help much" in plan.verdict
-    # the bandwidth view of DESIGN.md: intra all-reduce ~60% of flat, gain capped near 1.6x
+    # the bandwidth view of docs/costmodel.md: intra all-reduce ~60% of flat, gain capped near 1.6x
     assert 0.55 < plan.intra_allreduce_s / plan.flat_allreduce_s < 0.7
     assert 1.4 < plan.comm_cap < 1.8
     assert f"{plan.comm_cap:.2f}x" in plan.verdict
@@ -67,8 +67,14 @@ def test_compression_halves_fp32_sync_only():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"dtype": "int8"}, "dtype"), ({"periods": [0]}, "periods"), ({"bucket_mb": [0]}, "bucket"),
-     ({"compress": "zip"}, "compress"), ({"params": 0}, "params"), ({"nodes": 0}, "nodes")],
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"periods": [0]}, "periods"),
+        ({"bucket_mb": [0]}, "bucket"),
+        ({"compress": "zip"}, "compress"),
+        ({"params": 0}, "params"),
+        ({"nodes": 0}, "nodes"),
+    ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -80,8 +86,25 @@ def test_cli_plan_preset_and_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommend: bucket_cap_mb=" in out and "hiersync period=" in out
     path = cm.PRESETS["emulated"].save(tmp_path / "p.json")
-    argv = ["plan", "--profile", str(path), "--params", "25e6", "--dtype", "fp32", "--backward-ms", "200",
-            "--periods", "1,4", "--bucket-mb", "25", "--placement", "overlap", "--forward-ms", "70"]
+    argv = [
+        "plan",
+        "--profile",
+        str(path),
+        "--params",
+        "25e6",
+        "--dtype",
+        "fp32",
+        "--backward-ms",
+        "200",
+        "--periods",
+        "1,4",
+        "--bucket-mb",
+        "25",
+        "--placement",
+        "overlap",
+        "--forward-ms",
+        "70",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "hiersync k=4 overlap" in out and "compute 270.0 ms" in out

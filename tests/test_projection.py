@@ -1,11 +1,11 @@
-"""hiersync.projection: rows, files and the plot."""
+"""hiersync.costmodel.projection: rows, files and the plot."""
 
 from __future__ import annotations
 
 import pytest
 
 from hiersync import cli
-from hiersync.projection import COLUMNS, project, to_csv, to_markdown
+from hiersync.costmodel.projection import COLUMNS, project, to_csv, to_markdown
 
 
 def test_rows_and_shapes():

@@ -20,13 +20,22 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync.vocab import MiB
 
 __all__ = [
-    "PlanRow", "Plan", "make_plan", "format_plan", "add_arguments", "add_profile_arguments", "load_profile", "run",
+    "PlanRow",
+    "Plan",
+    "make_plan",
+    "format_plan",
+    "add_arguments",
+    "add_profile_arguments",
+    "load_profile",
+    "run",
     "DTYPE_BYTES",
 ]
 
@@ -124,8 +133,14 @@ def _nics(count: int) -> str:
 
 
 def _verdict(
-    profile: cm.Profile, best_ddp: PlanRow, best_intra: PlanRow, rec: PlanRow, flat_s: float, intra_s: float,
-    step_cap: float, backward_s: float,
+    profile: cm.Profile,
+    best_ddp: PlanRow,
+    best_intra: PlanRow,
+    rec: PlanRow,
+    flat_s: float,
+    intra_s: float,
+    step_cap: float,
+    backward_s: float,
 ) -> tuple[bool, str]:
     if profile.nodes == 1:
         return False, "one node: there is no inter-node traffic to save; use plain DDP."
@@ -184,11 +199,11 @@ def make_plan(
     ratio = 1.0 if compress == "none" else min(1.0, 2 / DTYPE_BYTES[dtype])
     compute = backward_s if compute_s is None else compute_s
     periods = sorted(set(periods))
-    common = dict(profile=profile, grad_bytes=grad_bytes, backward_s=backward_s, compute_s=compute)
+    common: dict[str, Any] = dict(profile=profile, grad_bytes=grad_bytes, backward_s=backward_s, compute_s=compute)
 
     raw: list[tuple[str, int | None, float, cm.StepTime]] = []
     for mb in bucket_mb:
-        kw = dict(common, bucket_bytes=mb * 2**20)
+        kw: dict[str, Any] = dict(common, bucket_bytes=mb * MiB)
         raw.append(("ddp", 1, mb, cm.step_time("ddp", **kw)))
         for k in periods:
             st = cm.step_time("hiersync", period=k, compress_ratio=ratio, placement=placement, **kw)
@@ -196,8 +211,15 @@ def make_plan(
         raw.append(("intra-only", None, mb, cm.step_time("intra_only", **kw)))
     best_ddp_step = min(st.step_s for name, _, _, st in raw if name == "ddp")
     rows = tuple(
-        PlanRow(schedule=name, period=k, bucket_mb=mb, comm_s=st.comm_s, exposed_s=st.exposed_s,
-                step_s=st.step_s, speedup=best_ddp_step / st.step_s)
+        PlanRow(
+            schedule=name,
+            period=k,
+            bucket_mb=mb,
+            comm_s=st.comm_s,
+            exposed_s=st.exposed_s,
+            step_s=st.step_s,
+            speedup=best_ddp_step / st.step_s,
+        )
         for name, k, mb, st in raw
     )
 
@@ -208,7 +230,7 @@ def make_plan(
     best_intra = best([r for r in rows if r.period is None])
     usable = [r for r in rows if r.period is not None]
     target = min(r.step_s for r in usable) * NEAR_BEST
-    period = min(r.period for r in usable if r.step_s <= target)
+    period = min(r.period for r in usable if r.period is not None and r.step_s <= target)
     recommended = best([r for r in usable if r.period == period])
 
     algo, eta = profile.flat_algorithm, profile.tree_efficiency
@@ -222,9 +244,21 @@ def make_plan(
     helps, verdict = _verdict(profile, best_ddp, best_intra, recommended, flat_s, intra_s, step_cap, backward_s)
     logger.debug("plan: %d rows, recommended %s at %g MB", len(rows), recommended.schedule, recommended.bucket_mb)
     return Plan(
-        profile=profile, grad_bytes=grad_bytes, backward_s=backward_s, compute_s=compute, compress_ratio=ratio,
-        placement=placement, rows=rows, best_ddp=best_ddp, recommended=recommended, flat_allreduce_s=flat_s,
-        intra_allreduce_s=intra_s, inter_bound_s=inter_bound, step_cap=step_cap, helps=helps, verdict=verdict,
+        profile=profile,
+        grad_bytes=grad_bytes,
+        backward_s=backward_s,
+        compute_s=compute,
+        compress_ratio=ratio,
+        placement=placement,
+        rows=rows,
+        best_ddp=best_ddp,
+        recommended=recommended,
+        flat_allreduce_s=flat_s,
+        intra_allreduce_s=intra_s,
+        inter_bound_s=inter_bound,
+        step_cap=step_cap,
+        helps=helps,
+        verdict=verdict,
     )
 
 
@@ -294,12 +328,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backward-ms", type=float, required=True, help="backward compute time per step")
     parser.add_argument("--forward-ms", type=float, default=0.0, help="other compute per step (default 0)")
     parser.add_argument("--periods", type=lambda s: _list(int, s), default=[1, 2, 4, 8], help="default 1,2,4,8")
-    parser.add_argument("--bucket-mb", type=lambda s: _list(float, s), default=[1, 5, 25, 100],
-                        help="DDP bucket_cap_mb values (default 1,5,25,100)")
-    parser.add_argument("--compress", choices=["none", "bf16", "fp16"], default="none",
-                        help="16-bit deltas on the inter-node sync leg (default none)")
-    parser.add_argument("--placement", choices=list(cm.PLACEMENTS), default="hook",
-                        help="where period-k averaging runs (default hook)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=lambda s: _list(float, s),
+        default=[1, 5, 25, 100],
+        help="DDP bucket_cap_mb values (default 1,5,25,100)",
+    )
+    parser.add_argument(
+        "--compress",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="16-bit deltas on the inter-node sync leg (default none)",
+    )
+    parser.add_argument(
+        "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,11 +20,15 @@ import argparse
 import csv
 import io
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync.vocab import MiB
+
+from .planner import DTYPE_BYTES
 
 __all__ = ["COLUMNS", "project", "to_csv", "to_markdown", "plot", "add_arguments", "run"]
 
@@ -50,8 +54,8 @@ def project(
     backward_s: float,
     gpus: Sequence[int] = DEFAULT_GPUS,
     gpus_per_node: int = 8,
-    message_bytes: float = 25 * 2**20,
-    bucket_bytes: float = 25 * 2**20,
+    message_bytes: float = 25 * MiB,
+    bucket_bytes: float = 25 * MiB,
     compress_ratio: float = 1.0,
     placement: str = "hook",
 ) -> list[dict[str, Any]]:
@@ -69,10 +73,12 @@ def project(
             row: dict[str, Any] = {"preset": name, "gpus": count, "nodes": nodes}
             row["ar_ring_ms"] = cm.flat_allreduce_time(message_bytes, *topo, "ring", efficiency=eta) * 1e3
             row["ar_tree_ms"] = cm.flat_allreduce_time(message_bytes, *topo, "tree", efficiency=eta) * 1e3
-            row["ar_two_level_ms"] = cm.hierarchical_allreduce_time(
-                message_bytes, *topo, profile.flat_algorithm, efficiency=eta
-            ) * 1e3
-            kw = dict(profile=profile, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, backward_s=backward_s)
+            row["ar_two_level_ms"] = (
+                cm.hierarchical_allreduce_time(message_bytes, *topo, profile.flat_algorithm, efficiency=eta) * 1e3
+            )
+            kw: dict[str, Any] = dict(
+                profile=profile, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, backward_s=backward_s
+            )
             row["step_ring_ms"] = cm.step_time("ddp", algorithm="ring", **kw).step_s * 1e3
             row["step_tree_ms"] = cm.step_time("ddp", algorithm="tree", **kw).step_s * 1e3
             for k in (1, 2, 4, 8):
@@ -143,8 +149,6 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hiersync.planner import DTYPE_BYTES
-
     parser.add_argument("--presets", default=",".join(cm.PRESETS), help="comma-separated (default: all)")
     parser.add_argument("--params", type=float, default=7e9, help="parameter count (default 7e9)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="gradient dtype (default bf16)")
@@ -160,7 +164,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hiersync._io import atomic_write_text
-    from hiersync.planner import DTYPE_BYTES
 
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if args.gpus_per_node < 1 or args.max_gpus < args.gpus_per_node:
@@ -174,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
         backward_s=args.backward_ms / 1e3,
         gpus=gpus,
         gpus_per_node=args.gpus_per_node,
-        message_bytes=args.message_mb * 2**20,
-        bucket_bytes=args.bucket_mb * 2**20,
+        message_bytes=args.message_mb * MiB,
+        bucket_bytes=args.bucket_mb * MiB,
         compress_ratio=1.0 if args.compress == "none" else min(1.0, 2 / DTYPE_BYTES[args.dtype]),
         placement=args.placement,
     )

@@ -1,0 +1,88 @@
+"""Alpha-beta cost models of collectives, of hiersync's schedules, and of real hardware.
+
+Pure maths (numpy at most, never ``torch``): every formula is unit-tested in
+microseconds, and the planner, the projection and the hook's ``algorithm="auto"`` share it.
+One idea per module:
+
+* :mod:`.links`: a :class:`Link` (alpha, beta, gamma) and the single-level collectives;
+* :mod:`.hierarchy`: flat vs two-level all-reduce on N nodes of L ranks, the period-k
+  parameter average, and which exact path is faster;
+* :mod:`.profile`: cluster :class:`Profile` (JSON) and the published :data:`PRESETS`;
+* :mod:`.steptime`: the schedule simulator (:func:`step_time`);
+* :mod:`.fit`: fitting alpha and beta to measurements (:func:`fit_link`);
+* :mod:`.planner` and :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
+
+Every public name of the first five is re-exported here, so ``from hiersync import
+costmodel as cm; cm.allreduce_time(...)`` is the way to use them.
+
+Example::
+
+    >>> link = Link(alpha=1e-5, beta=1e-9)
+    >>> round(allreduce_time("ring", 8, 1e6, link), 6)
+    0.00189
+    >>> choose_exact_algorithm(100e6, 2, 2, PRESETS["emulated"])
+    'two_level'
+"""
+
+from __future__ import annotations
+
+from .fit import LinkFit, fit_link
+from .hierarchy import (
+    FLAT_ALGORITHMS,
+    INTRA_ALGORITHMS,
+    choose_exact_algorithm,
+    flat_allreduce_time,
+    flat_crossover_bytes,
+    hierarchical_allreduce_time,
+    intra_algorithm_for_backend,
+    param_sync_time,
+    rail_link,
+    two_level_stages,
+)
+from .links import (
+    ALLREDUCE_ALGORITHMS,
+    DEFAULT_TREE_EFFICIENCY,
+    Link,
+    all_gather_time,
+    allreduce_time,
+    broadcast_time,
+    crossover_bytes,
+    reduce_scatter_time,
+    reduce_time,
+)
+from .profile import PRESETS, PROFILE_FORMAT, Profile, get_preset, preset_for_backend
+from .steptime import PLACEMENTS, SCHEDULES, StepTime, simulate, step_time
+
+__all__ = [
+    "Link",
+    "Profile",
+    "StepTime",
+    "LinkFit",
+    "ALLREDUCE_ALGORITHMS",
+    "FLAT_ALGORITHMS",
+    "SCHEDULES",
+    "PLACEMENTS",
+    "PROFILE_FORMAT",
+    "DEFAULT_TREE_EFFICIENCY",
+    "PRESETS",
+    "allreduce_time",
+    "reduce_scatter_time",
+    "all_gather_time",
+    "broadcast_time",
+    "reduce_time",
+    "rail_link",
+    "flat_allreduce_time",
+    "hierarchical_allreduce_time",
+    "two_level_stages",
+    "param_sync_time",
+    "crossover_bytes",
+    "flat_crossover_bytes",
+    "simulate",
+    "step_time",
+    "fit_link",
+    "get_preset",
+    "preset_for_backend",
+    "choose_exact_algorithm",
+    "INTRA_ALGORITHMS",
+    "intra_algorithm_for_backend",
+]

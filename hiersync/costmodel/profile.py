@@ -1,0 +1,229 @@
+"""Cluster profiles: the links and shape the planner, the projection and ``algorithm="auto"`` read.
+
+A :class:`Profile` is either measured (``python -m hiersync calibrate`` writes one as JSON)
+or one of the :data:`PRESETS` built from published numbers (docs/costmodel.md lists the
+sources). :func:`preset_for_backend` names the preset that stands in for an uncalibrated
+cluster. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .hierarchy import check_topology, intra_algorithm_for_backend
+from .links import DEFAULT_TREE_EFFICIENCY, Link, check_efficiency
+
+__all__ = ["PROFILE_FORMAT", "Profile", "PRESETS", "get_preset", "preset_for_backend"]
+
+logger = logging.getLogger(__name__)
+
+PROFILE_FORMAT = "hiersync.profile/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Links and shape of a cluster: what the planner, the projection and ``algorithm="auto"`` read.
+
+    ``python -m hiersync calibrate`` measures one; :data:`PRESETS` holds published ones.
+    """
+
+    intra: Link
+    """Link between two ranks of one node (per GPU)."""
+    inter: Link
+    """Link of one NIC between nodes."""
+    nodes: int
+    """Number of nodes (N)."""
+    ranks_per_node: int
+    """Ranks per node (L)."""
+    rails: int | None = None
+    """NICs per node; None means one per rank."""
+    backend: str = "nccl"
+    """torch.distributed backend; ``"nccl"`` lets NCCL pick ring or tree, others use rings."""
+    tree_efficiency: float = DEFAULT_TREE_EFFICIENCY
+    """Fraction of line rate a pipelined tree reaches (eta)."""
+    name: str = ""
+    """Short name (the preset's key, or e.g. the cluster's)."""
+    source: str = ""
+    """Where the numbers come from (publication, or the calibration command)."""
+    intra_reduce_scatter: Link | None = None
+    """Measured effective link of the node's reduce-scatter, where it costs more than
+    :attr:`intra` predicts; None: :attr:`intra`. torch's gloo backend, for one, runs
+    reduce-scatter as an all-reduce of a fresh copy of the whole input plus a copy out
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), about 2-3x the ring's cost.
+    ``python -m hiersync calibrate`` measures it."""
+    intra_all_gather: Link | None = None
+    """Measured effective link of the node's all-gather (gloo adds a flatten and a copy
+    out through freshly allocated memory); None: :attr:`intra`."""
+    intra_broadcast: Link | None = None
+    """Measured effective link of one of the L shard broadcasts of the ``"allreduce_bcast"``
+    gather (fitted as L broadcasts of n/L in a row, as ``HierComm`` issues them); None:
+    :attr:`intra`, whose beta (fitted on all-reduces) also holds the reduction's cost."""
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Free-form JSON-able details (fit quality, hostnames, versions)."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra", "inter"):
+            if not isinstance(getattr(self, name), Link):
+                raise TypeError(f"Profile.{name} must be a Link, got {type(getattr(self, name)).__name__}")
+        for name in ("intra_reduce_scatter", "intra_all_gather", "intra_broadcast"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Link):
+                raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
+        check_topology(self.nodes, self.ranks_per_node, self.rails)
+        check_efficiency(self.tree_efficiency)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"Profile.backend must be a backend name such as 'nccl' or 'gloo', got {self.backend!r}")
+
+    @property
+    def flat_algorithm(self) -> str:
+        """``"auto"`` under NCCL (its tuner picks ring or tree), ``"ring"`` otherwise (gloo)."""
+        return "auto" if "nccl" in self.backend.lower() else "ring"
+
+    @property
+    def intra_algorithm(self) -> str:
+        """HierComm's intra algorithm on :attr:`backend`: ``"allreduce_bcast"`` on gloo, else ``"rs_ag"``."""
+        return intra_algorithm_for_backend(self.backend)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "name": self.name,
+            "backend": self.backend,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "rails": self.rails,
+            "tree_efficiency": self.tree_efficiency,
+            "intra": self.intra.to_json(),
+            "inter": self.inter.to_json(),
+            "intra_reduce_scatter": None if self.intra_reduce_scatter is None else self.intra_reduce_scatter.to_json(),
+            "intra_all_gather": None if self.intra_all_gather is None else self.intra_all_gather.to_json(),
+            "intra_broadcast": None if self.intra_broadcast is None else self.intra_broadcast.to_json(),
+            "source": self.source,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | str) -> Profile:
+        """Build a profile from :meth:`to_json`'s dict or its JSON text."""
+        if isinstance(obj, str):
+            obj = json.loads(obj)
+        if not isinstance(obj, Mapping):
+            raise TypeError(f"a profile is a JSON object, got {type(obj).__name__}")
+        fmt = obj.get("format", PROFILE_FORMAT)
+        if fmt != PROFILE_FORMAT:
+            raise ValueError(f"unsupported profile format {fmt!r}; this version reads {PROFILE_FORMAT!r}")
+        missing = [k for k in ("intra", "inter", "nodes", "ranks_per_node") if k not in obj]
+        if missing:
+            raise ValueError(f"profile lacks {missing}; write it with Profile.save or `python -m hiersync calibrate`")
+        return cls(
+            intra=Link.from_json(obj["intra"]),
+            inter=Link.from_json(obj["inter"]),
+            nodes=obj["nodes"],
+            ranks_per_node=obj["ranks_per_node"],
+            rails=obj.get("rails"),
+            backend=obj.get("backend", "nccl"),
+            tree_efficiency=obj.get("tree_efficiency", DEFAULT_TREE_EFFICIENCY),
+            intra_reduce_scatter=optional_link(obj.get("intra_reduce_scatter")),
+            intra_all_gather=optional_link(obj.get("intra_all_gather")),
+            intra_broadcast=optional_link(obj.get("intra_broadcast")),
+            name=obj.get("name", ""),
+            source=obj.get("source", ""),
+            metadata=dict(obj.get("metadata") or {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON atomically (a reader never sees half a file)."""
+        from hiersync._io import atomic_write_json
+
+        return atomic_write_json(path, self.to_json())
+
+
+def optional_link(obj: Mapping[str, Any] | None) -> Link | None:
+    """:meth:`Link.from_json` of ``obj``, or None for None."""
+    return None if obj is None else Link.from_json(obj)
+
+
+_NCCL_SRC = "NCCL src/graph/tuning.cc hop latencies (Simple protocol)"
+PRESETS: dict[str, Profile] = {
+    # 8x H100 SXM: NVLS all-reduce busbw ~480 GB/s inside the node (ring alone ~370 GB/s);
+    # 8x ConnectX-7 NDR 400 Gb/s, 46-48 GB/s measured each (line rate 50 GB/s).
+    "h100-8rail": Profile(
+        intra=Link.from_bandwidth(3.4e-6, 480e9),
+        inter=Link.from_bandwidth(14e-6, 47e9),
+        nodes=128,
+        ranks_per_node=8,
+        rails=8,
+        backend="nccl",
+        name="h100-8rail",
+        source=f"8xH100 NVLS ~480 GB/s busbw (ring ~370); 8x NDR 400 Gb/s at 47 GB/s; {_NCCL_SRC}",
+    ),
+    # 8x A100 SXM: NCCL caps Ampere busbw at 235 GB/s; one 100 Gb/s NIC (12.5 GB/s line).
+    "a100-1nic": Profile(
+        intra=Link.from_bandwidth(3.4e-6, 235e9),
+        inter=Link.from_bandwidth(14e-6, 11.5e9),
+        nodes=16,
+        ranks_per_node=8,
+        rails=1,
+        backend="nccl",
+        name="a100-1nic",
+        source=f"8xA100 NVLink 235 GB/s busbw (NCCL's Ampere cap); 1x 100 Gb/s at 11.5 GB/s; {_NCCL_SRC}",
+    ),
+    # 8 GPUs on PCIe 4.0 x16 (~25 GB/s per direction, ~20 GB/s ring busbw); one 25 GbE
+    # port under NCCL's socket transport (~2.8 GB/s of 3.125 line rate, ~30 us per hop).
+    "pcie-25gbe": Profile(
+        intra=Link.from_bandwidth(5.7e-6, 20e9),
+        inter=Link.from_bandwidth(30e-6, 2.8e9),
+        nodes=8,
+        ranks_per_node=8,
+        rails=1,
+        backend="nccl",
+        name="pcie-25gbe",
+        source=f"8 GPUs on PCIe 4.0 ~20 GB/s ring busbw; 1x 25 GbE TCP ~2.8 GB/s; {_NCCL_SRC} (PCI)",
+    ),
+    # The one-machine testbed (docs/benchmarks.md): gloo over loopback (~3 GB/s) inside a node,
+    # one veth per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes.
+    "emulated": Profile(
+        intra=Link.from_bandwidth(30e-6, 3e9),
+        inter=Link.from_bandwidth(60e-6, 95e6),
+        nodes=2,
+        ranks_per_node=2,
+        rails=1,
+        backend="gloo",
+        name="emulated",
+        source=(
+            "emulated testbed (docs/benchmarks.md): gloo loopback ~3 GB/s; tbf 800 Mbit/s ~95 MB/s; gloo ~tens of us"
+        ),
+    ),
+}
+
+
+def get_preset(name: str) -> Profile:
+    """The preset :class:`Profile` called ``name`` (see :data:`PRESETS`)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}") from None
+
+
+def preset_for_backend(backend: str) -> str:
+    """Name of the preset that stands in for an uncalibrated cluster on ``backend``.
+
+    ``"nccl"`` (or any backend string naming NCCL, e.g. ``"cpu:gloo,cuda:nccl"``) gives
+    ``"h100-8rail"``; ``"gloo"`` gives ``"emulated"``. Others log a warning and get
+    ``"emulated"``: calibrate (``python -m hiersync calibrate``) for real numbers.
+    """
+    name = str(backend).lower()
+    if "nccl" in name:
+        return "h100-8rail"
+    if "gloo" not in name:
+        logger.warning("hiersync: no preset for backend %r; using 'emulated' (calibrate for real numbers)", backend)
+    return "emulated"
