@@ -23,7 +23,8 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,10 @@ for _h in (_noop_hook, _timed_hiersync_hook):
 
 def ddp_setup(variant: str, layers: int) -> None:
     """A DDP model of ``layers`` tiny Linear layers, one bucket per parameter, with hook ``variant``."""
-    import hiersync
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hiersync
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)])
@@ -69,7 +71,7 @@ def ddp_setup(variant: str, layers: int) -> None:
     elif variant == "torch_allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif variant.startswith("hiersync_p"):
-        state = hiersync.HierState(period=int(variant[len("hiersync_p"):]))
+        state = hiersync.HierState(period=int(variant[len("hiersync_p") :]))
         ddp.register_comm_hook(state, _timed_hiersync_hook)
     elif variant != "ddp_default":
         raise ValueError(f"variant={variant!r} is not known")
@@ -146,7 +148,7 @@ class PeerWorld:
         self._env_before: str | None = None
         self._threads_before = torch.get_num_threads()
 
-    def __enter__(self) -> "PeerWorld":
+    def __enter__(self) -> PeerWorld:
         if dist.is_initialized():
             raise RuntimeError("a default process group already exists in this process")
         self._tmp = tempfile.mkdtemp(prefix="hiersync-peers-")
@@ -154,14 +156,18 @@ class PeerWorld:
         ids = ",".join(map(str, self.node_ids))
         self._env_before = os.environ.get("HIERSYNC_NODE_IDS")
         os.environ["HIERSYNC_NODE_IDS"] = ids
-        from hiersync._launch import _context
+        from hiersync._launch import forkserver_context
 
-        ctx = _context()
+        ctx = forkserver_context()
         try:
             for rank in range(1, self.world_size):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_helper, args=(store, rank, self.world_size, self.timeout, ids, child),
-                                name=f"peer-rank{rank}", daemon=True)
+                p = ctx.Process(
+                    target=_helper,
+                    args=(store, rank, self.world_size, self.timeout, ids, child),
+                    name=f"peer-rank{rank}",
+                    daemon=True,
+                )
                 p.start()
                 child.close()
                 self.helpers.append(p)
@@ -169,7 +175,10 @@ class PeerWorld:
             torch.set_num_threads(1)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group(
-                "gloo", store=dist.FileStore(store, self.world_size), rank=0, world_size=self.world_size,
+                "gloo",
+                store=dist.FileStore(store, self.world_size),
+                rank=0,
+                world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=self.timeout),
             )
         except BaseException:
@@ -218,7 +227,10 @@ def _helper(store: str, rank: int, world_size: int, timeout: float, node_ids: st
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size,
+        "gloo",
+        store=dist.FileStore(store, world_size),
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
     code = 0
@@ -231,7 +243,7 @@ def _helper(store: str, rank: int, world_size: int, timeout: float, node_ids: st
                 dist.barrier()
                 break
             FUNCTIONS[name](*args)
-    except BaseException:  # noqa: BLE001 - printed, then the helper dies
+    except BaseException:
         import traceback
 
         traceback.print_exc()

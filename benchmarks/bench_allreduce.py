@@ -8,7 +8,6 @@ the emulated cluster). Grouped by message size so both algorithms appear side by
 from __future__ import annotations
 
 import pytest
-
 from _peers import PeerWorld
 
 SIZES = {"64KB": 1 << 14, "1MB": 1 << 18, "8MB": 1 << 21}  # fp32 elements

@@ -14,7 +14,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from _peers import PeerWorld
 
 LAYERS = 16
@@ -33,7 +32,9 @@ def test_backward_32_buckets(benchmark, world, variant):
     benchmark.extra_info["buckets"] = 2 * LAYERS
     world.call("ddp_setup", variant, LAYERS)
     try:
-        benchmark.pedantic(world.call, args=("backward",), setup=lambda: world.call("forward"), rounds=20, warmup_rounds=2)
+        benchmark.pedantic(
+            world.call, args=("backward",), setup=lambda: world.call("forward"), rounds=20, warmup_rounds=2
+        )
         ns = world.call("hook_ns")
         if variant.startswith("hiersync"):
             assert len(ns) >= 2 * LAYERS  # the hook saw every bucket

@@ -36,8 +36,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,15 @@ def make_config(
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     return dict(
-        steps=steps, batch_size=batch_size, lr=lr, momentum=momentum, warmup_steps=warmup_steps,
-        eval_every=eval_every, test_fraction=test_fraction, hidden=hidden, seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        momentum=momentum,
+        warmup_steps=warmup_steps,
+        eval_every=eval_every,
+        test_fraction=test_fraction,
+        hidden=hidden,
+        seed=seed,
     )
 
 
@@ -132,13 +140,13 @@ def batch_order(num_samples: int, rank: int, world_size: int, cfg: dict[str, Any
 
 def make_model(cfg: dict[str, Any]) -> torch.nn.Module:
     torch.manual_seed(cfg["seed"])  # same initial weights for every schedule (and every rank)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, cfg["hidden"]), torch.nn.ReLU(), torch.nn.Linear(cfg["hidden"], 10)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(64, cfg["hidden"]), torch.nn.ReLU(), torch.nn.Linear(cfg["hidden"], 10))
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, params: dict[str, torch.Tensor] | None, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+def evaluate(
+    model: torch.nn.Module, params: dict[str, torch.Tensor] | None, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float]:
     """(mean cross-entropy, accuracy in %) of ``model`` (with ``params`` swapped in, if given)."""
     out = torch.func.functional_call(model, params, (x,)) if params is not None else model(x)
     loss = torch.nn.functional.cross_entropy(out, y).item()
@@ -167,8 +175,9 @@ def world_mean_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- one rank
 def train_one(name: str, options: dict[str, Any] | None, cfg: dict[str, Any], data: tuple) -> dict[str, Any]:
     """Train one schedule on this rank; return its curves and counters (rank 0 adds test metrics)."""
-    import hiersync
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hiersync
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x_tr, y_tr, x_te, y_te = data
@@ -212,8 +221,11 @@ def train_one(name: str, options: dict[str, Any] | None, cfg: dict[str, Any], da
         train_loss, train_acc = evaluate(module, None, x_tr, y_tr)
         evals.append(dict(step=cfg["steps"], test_loss=test_loss, test_acc=test_acc))
         result.update(
-            evals=evals, final_test_acc=test_acc, final_test_loss=test_loss,
-            final_train_loss=train_loss, final_train_acc=train_acc,
+            evals=evals,
+            final_test_acc=test_acc,
+            final_test_loss=test_loss,
+            final_train_loss=train_loss,
+            final_train_acc=train_acc,
         )
     dist.barrier()
     return result
@@ -251,7 +263,11 @@ def run(
     # Load (and split) once here rather than importing scikit-learn in every rank.
     datasets = [load_data(cfg) for cfg in cfgs]
     per_rank = launch(
-        rank_main, len(NODE_IDS), (schedules, list(cfgs), datasets), node_ids=NODE_IDS, timeout=timeout,
+        rank_main,
+        len(NODE_IDS),
+        (schedules, list(cfgs), datasets),
+        node_ids=NODE_IDS,
+        timeout=timeout,
         pg_timeout=120.0,
     )
     return [
@@ -378,13 +394,27 @@ def plot(runs: Sequence[dict[str, dict[str, Any]]], path: str | Path, title: str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     d = make_config()
     p.add_argument("--out", default="results/convergence", help="folder for convergence.json and convergence.png")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/convergence.png)")
-    p.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(SCHEDULES), metavar="NAME",
-                   help=f"schedules to run, from {list(SCHEDULES)}")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the table shows means over seeds (and the worst seed's delta)")
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=DEFAULT_SCHEDULES,
+        choices=list(SCHEDULES),
+        metavar="NAME",
+        help=f"schedules to run, from {list(SCHEDULES)}",
+    )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0, 1, 2],
+        help="the table shows means over seeds (and the worst seed's delta)",
+    )
     p.add_argument("--steps", type=int, default=d["steps"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="per rank")
     p.add_argument("--lr", type=float, default=d["lr"], help="peak lr of the cosine schedule")
@@ -397,8 +427,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs = [
         make_config(
-            steps=a.steps, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum, warmup_steps=a.warmup_steps,
-            eval_every=a.eval_every, hidden=a.hidden, seed=seed,
+            steps=a.steps,
+            batch_size=a.batch_size,
+            lr=a.lr,
+            momentum=a.momentum,
+            warmup_steps=a.warmup_steps,
+            eval_every=a.eval_every,
+            hidden=a.hidden,
+            seed=seed,
         )
         for seed in a.seeds
     ]
@@ -410,18 +446,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = configs[0]
     command = "python benchmarks/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(a.out)
-    atomic_write_json(out / "convergence.json", dict(
-        command=command.strip(), config=configs, seeds=a.seeds, node_ids=NODE_IDS, wall_s=wall,
-        schedules={n: SCHEDULES[n] for n in a.schedules}, table=rows, runs=runs,
-    ))
-    title = (f"digits, MLP 64-{cfg['hidden']}-10, 2 nodes x 2 ranks, {cfg['steps']} steps, batch {cfg['batch_size']}/rank, "
-             f"SGD lr {cfg['lr']} cosine, momentum {cfg['momentum']}, warmup {cfg['warmup_steps']}; "
-             f"mean of seeds {', '.join(map(str, a.seeds))}")
+    atomic_write_json(
+        out / "convergence.json",
+        dict(
+            command=command.strip(),
+            config=configs,
+            seeds=a.seeds,
+            node_ids=NODE_IDS,
+            wall_s=wall,
+            schedules={n: SCHEDULES[n] for n in a.schedules},
+            table=rows,
+            runs=runs,
+        ),
+    )
+    title = (
+        f"digits, MLP 64-{cfg['hidden']}-10, 2 nodes x 2 ranks, {cfg['steps']} steps, batch {cfg['batch_size']}/rank, "
+        f"SGD lr {cfg['lr']} cosine, momentum {cfg['momentum']}, warmup {cfg['warmup_steps']}; "
+        f"mean of seeds {', '.join(map(str, a.seeds))}"
+    )
     png = plot(runs, a.plot or out / "convergence.png", title)
 
     print(table)
     print()
-    print(f"{len(a.seeds)} seed(s), {cfg['steps']} steps, wall {wall:.1f} s; wrote {out / 'convergence.json'} and {png}")
+    print(
+        f"{len(a.seeds)} seed(s), {cfg['steps']} steps, wall {wall:.1f} s; wrote {out / 'convergence.json'} and {png}"
+    )
     if "ddp" in a.schedules:
         rated = [r for r in rows if r["schedule"] != "ddp" and r["worst_delta"] is not None]
         near = [r["schedule"] for r in rated if abs(r["worst_delta"]) <= 1.0]

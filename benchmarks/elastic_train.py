@@ -91,7 +91,7 @@ def main() -> None:
         opt.zero_grad()
         if (step + 1) % args.ckpt_every == 0:
             blob = {"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hiersync": state.state_dict()}
-            atomic_save(args.ckpt / f"step{step + 1}-rank{rank}.pt", lambda tmp: torch.save(blob, tmp))
+            atomic_save(args.ckpt / f"step{step + 1}-rank{rank}.pt", lambda tmp, blob=blob: torch.save(blob, tmp))
             dist.barrier()  # every rank's file is complete before 'latest' names it
             if rank == 0:
                 atomic_write_text(latest, str(step + 1))

@@ -33,11 +33,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from hiersync import calibrate as cal
 from hiersync import costmodel as cm
+from hiersync.tools import calibrate as cal
+from hiersync.tools.sweep import sync_device, world_max
+from hiersync.vocab import format_size
 
 __all__ = ["ValidationConfig", "StepCase", "measure", "predict", "format_report", "main"]
 
@@ -59,8 +62,13 @@ class StepCase:
 
 # With 1 MiB layers DDP's buckets hold 1, 2, 4 or all 8 layers at these caps.
 DEFAULT_CASES = (
-    StepCase("ddp", 1.0), StepCase("ddp", 4.0), StepCase("ddp", 25.0),
-    StepCase("hiersync", 1.0), StepCase("hiersync", 2.0), StepCase("hiersync", 4.0), StepCase("hiersync", 25.0),
+    StepCase("ddp", 1.0),
+    StepCase("ddp", 4.0),
+    StepCase("ddp", 25.0),
+    StepCase("hiersync", 1.0),
+    StepCase("hiersync", 2.0),
+    StepCase("hiersync", 4.0),
+    StepCase("hiersync", 25.0),
     StepCase("hiersync", 4.0, period=4),
 )
 
@@ -117,24 +125,24 @@ def _time_steps(ddp, opt, data, config: ValidationConfig, device, *, phases: boo
     x, y = data
     rows = []
     for i in range(config.warmup_steps + config.steps):
-        cal._sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        cal._sync(device)
+        sync_device(device)
         t1 = time.perf_counter()
         loss.backward()
-        cal._sync(device)
+        sync_device(device)
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        cal._sync(device)
+        sync_device(device)
         t3 = time.perf_counter()
         if i >= config.warmup_steps:
             rows.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
     names = ("step_s", "forward_s", "backward_s", "optimizer_s") if phases else ("step_s",)
     out = {}
     for j, name in enumerate(names):
-        per_step = cal._world_max([r[j] for r in rows], device)
+        per_step = world_max([r[j] for r in rows], device)
         out[name] = statistics.median(per_step)
         if name == "step_s":
             out["mean_step_s"] = statistics.fmean(per_step)
@@ -176,13 +184,13 @@ def measure(config: ValidationConfig, device=None) -> dict[str, Any]:
     seconds = cal.time_ops(ops, device, config.sweep)
     k = len(numels)
     collectives = [
-        {"bytes": m * 4, "two_level_s": two, "flat_s": flat}
-        for m, two, flat in zip(numels, seconds[:k], seconds[k:])
+        {"bytes": m * 4, "two_level_s": two, "flat_s": flat} for m, two, flat in zip(numels, seconds[:k], seconds[k:])
     ]
     if rank == 0:
         for c in collectives:
-            logger.info("validate: %d B: two-level %.1f us, flat %.1f us", c["bytes"], c["two_level_s"] * 1e6,
-                        c["flat_s"] * 1e6)
+            logger.info(
+                "validate: %d B: two-level %.1f us, flat %.1f us", c["bytes"], c["two_level_s"] * 1e6, c["flat_s"] * 1e6
+            )
     del buf
     out["collectives"] = collectives
     out["intra_algorithm"] = comm.intra_algorithm  # what HierComm ran: "rs_ag" or "allreduce_bcast"
@@ -191,8 +199,10 @@ def measure(config: ValidationConfig, device=None) -> dict[str, Any]:
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + rank)
-    data = (torch.randn(config.batch, config.width, generator=g).to(device),
-            torch.randn(config.batch, config.width, generator=g).to(device))
+    data = (
+        torch.randn(config.batch, config.width, generator=g).to(device),
+        torch.randn(config.batch, config.width, generator=g).to(device),
+    )
     grad_bytes = sum(p.numel() * 4 for p in _mlp(config.width, config.depth).parameters())
 
     def build(case: StepCase | None):
@@ -257,12 +267,27 @@ def predict(result: Mapping[str, Any], profile: cm.Profile) -> dict[str, Any]:
     for c in result["collectives"]:
         n = c["bytes"]
         two = cm.hierarchical_allreduce_time(
-            n, N, L, *links, algo, efficiency=eta, reduce_scatter=profile.intra_reduce_scatter,
-            all_gather=profile.intra_all_gather, intra_algorithm=intra_algorithm, broadcast=profile.intra_broadcast,
+            n,
+            N,
+            L,
+            *links,
+            algo,
+            efficiency=eta,
+            reduce_scatter=profile.intra_reduce_scatter,
+            all_gather=profile.intra_all_gather,
+            intra_algorithm=intra_algorithm,
+            broadcast=profile.intra_broadcast,
         )
         flat = cm.flat_allreduce_time(n, N, L, *links, algo, efficiency=eta)
-        rows.append({**c, "two_level_pred_s": two, "two_level_err": _rel(two, c["two_level_s"]),
-                     "flat_pred_s": flat, "flat_err": _rel(flat, c["flat_s"])})
+        rows.append(
+            {
+                **c,
+                "two_level_pred_s": two,
+                "two_level_err": _rel(two, c["two_level_s"]),
+                "flat_pred_s": flat,
+                "flat_err": _rel(flat, c["flat_s"]),
+            }
+        )
     report: dict[str, Any] = {"collectives": rows, "intra_algorithm": intra_algorithm}
     report["two_level_median_abs_err"] = statistics.median(abs(r["two_level_err"]) for r in rows)
     report["flat_median_abs_err"] = statistics.median(abs(r["flat_err"]) for r in rows)
@@ -276,13 +301,27 @@ def predict(result: Mapping[str, Any], profile: cm.Profile) -> dict[str, Any]:
             # the model gets the bucket size DDP really built (its largest bucket).
             bucket = max(s["bucket_sizes"]) if s.get("bucket_sizes") else s["bucket_mb"] * MIB
             st = cm.step_time(
-                schedule, profile=profile, grad_bytes=result["grad_bytes"], bucket_bytes=bucket,
-                backward_s=comp["backward_s"], compute_s=compute_s, period=s["period"], intra_algorithm=intra_algorithm,
+                schedule,
+                profile=profile,
+                grad_bytes=result["grad_bytes"],
+                bucket_bytes=bucket,
+                backward_s=comp["backward_s"],
+                compute_s=compute_s,
+                period=s["period"],
+                intra_algorithm=intra_algorithm,
             )
             measured = s["step_s"] if s["period"] == 1 else s["mean_step_s"]
-            steps.append({**s, "measured_s": measured, "pred_s": st.step_s, "pred_comm_s": st.comm_s,
-                          "pred_exposed_s": st.exposed_s, "num_buckets": st.num_buckets,
-                          "err": _rel(st.step_s, measured)})
+            steps.append(
+                {
+                    **s,
+                    "measured_s": measured,
+                    "pred_s": st.step_s,
+                    "pred_comm_s": st.comm_s,
+                    "pred_exposed_s": st.exposed_s,
+                    "num_buckets": st.num_buckets,
+                    "err": _rel(st.step_s, measured),
+                }
+            )
         report["compute"] = comp
         report["grad_bytes"] = result["grad_bytes"]
         report["steps"] = steps
@@ -306,11 +345,12 @@ def format_report(report: Mapping[str, Any], profile: cm.Profile) -> str:
     ]
     for r in report["collectives"]:
         lines.append(
-            f"| {cal._fmt_bytes(r['bytes'])} | {_us(r['two_level_s'])} | {_us(r['two_level_pred_s'])} | "
+            f"| {format_size(r['bytes'])} | {_us(r['two_level_s'])} | {_us(r['two_level_pred_s'])} | "
             f"{r['two_level_err']:+.1%} | {_us(r['flat_s'])} | {_us(r['flat_pred_s'])} | {r['flat_err']:+.1%} |"
         )
     lines.append(
-        f"\nmedian |error|: two-level {report['two_level_median_abs_err']:.1%}, flat {report['flat_median_abs_err']:.1%}"
+        f"\nmedian |error|: two-level {report['two_level_median_abs_err']:.1%}, "
+        f"flat {report['flat_median_abs_err']:.1%}"
     )
     if "steps" in report:
         c = report["compute"]
@@ -361,14 +401,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sizes = DEFAULT_SIZES
     if args.sizes:
         sizes = tuple(int(float(s)) for s in args.sizes.split(",") if s.strip())
     config = ValidationConfig(
-        sizes=sizes, sweep=cal.SweepConfig(reps=args.reps, budget_s=args.budget_s), width=args.width,
-        depth=args.depth, batch=args.batch, steps=args.steps, calibrate=args.profile is None,
+        sizes=sizes,
+        sweep=cal.SweepConfig(reps=args.reps, budget_s=args.budget_s),
+        width=args.width,
+        depth=args.depth,
+        batch=args.batch,
+        steps=args.steps,
+        calibrate=args.profile is None,
         skip_steps=args.skip_steps,
     )
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -377,8 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         nodes, lpn = args.nodes or 1, args.procs_per_node or 1
         node_ids = [r // lpn for r in range(nodes * lpn)]
-        result = launch(_local_body, nodes * lpn, (config,), node_ids=node_ids, timeout=args.timeout,
-                        pg_timeout=300.0)[0]
+        result = launch(_local_body, nodes * lpn, (config,), node_ids=node_ids, timeout=args.timeout, pg_timeout=300.0)[
+            0
+        ]
         mode = f"local {nodes}x{lpn}, gloo over loopback"
     elif under_torchrun:
         import torch
@@ -411,8 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         c = result["calibration"]
         profile, fits = cal.fit_profile(
-            c["points"], nodes=c["nodes"], ranks_per_node=c["ranks_per_node"], rails=args.rails,
-            backend=c["backend"], source=f"benchmarks/validate_costmodel.py ({mode})", metadata=c["metadata"],
+            c["points"],
+            nodes=c["nodes"],
+            ranks_per_node=c["ranks_per_node"],
+            rails=args.rails,
+            backend=c["backend"],
+            source=f"benchmarks/validate_costmodel.py ({mode})",
+            metadata=c["metadata"],
         )
         print(cal.format_fits(profile, fits))
         print()

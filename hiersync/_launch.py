@@ -27,15 +27,21 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-__all__ = ["run", "run_all", "Outcome", "RankFailed"]
+__all__ = ["run", "run_all", "Outcome", "RankFailed", "forkserver_context"]
 
-_CTX = None
+_CTX: Any = None
 
 
-def _context():
+def forkserver_context() -> Any:
+    """The ``forkserver`` multiprocessing context every rank is started from (torch preloaded).
+
+    One per process, created on first use; helpers that start their own rank processes
+    (e.g. ``benchmarks/_peers.py``) use it too, so they share the warm forkserver.
+    """
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
@@ -48,7 +54,10 @@ class RankFailed(RuntimeError):
     """A rank raised or died; ``rank`` and ``child_traceback`` say which and why."""
 
     def __init__(self, rank: int, message: str, child_traceback: str = "") -> None:
-        super().__init__(f"rank {rank} {message}" + (f"\n--- traceback of rank {rank} ---\n{child_traceback}" if child_traceback else ""))
+        super().__init__(
+            f"rank {rank} {message}"
+            + (f"\n--- traceback of rank {rank} ---\n{child_traceback}" if child_traceback else "")
+        )
         self.rank = rank
         self.child_traceback = child_traceback
 
@@ -69,7 +78,15 @@ class Outcome:
 
 
 def _child(
-    fn: Callable, rank: int, world_size: int, tmpdir: str, env: dict, args: tuple, pg_timeout: float, backend: str, threads: int
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    tmpdir: str,
+    env: dict,
+    args: tuple,
+    pg_timeout: float,
+    backend: str,
+    threads: int,
 ) -> None:
     os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -93,7 +110,7 @@ def _child(
         # full mesh lazily): leave together.
         if dist.is_initialized():
             dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         failed_at = time.time()  # lets the parent tell the root cause from its consequences
         # tmp + rename: a rank killed while writing leaves no half-written report
         with open(os.path.join(tmpdir, f"error-{rank}.tmp"), "w") as f:
@@ -131,7 +148,7 @@ def run_all(
         if len(node_ids) != world_size:
             raise ValueError(f"node_ids has {len(node_ids)} entries for world_size {world_size}")
         env["HIERSYNC_NODE_IDS"] = ",".join(str(i) for i in node_ids)
-    ctx = _context()
+    ctx = forkserver_context()
     tmpdir = tempfile.mkdtemp(prefix="hiersync-")
     procs = []
     start = time.monotonic()
@@ -164,7 +181,9 @@ def run_all(
         outcomes = []
         for r, p in enumerate(procs):
             out = Outcome(
-                rank=r, exitcode=p.exitcode if r in ended else None, pid=p.pid,
+                rank=r,
+                exitcode=p.exitcode if r in ended else None,
+                pid=p.pid,
                 elapsed_s=ended.get(r, time.monotonic() - start),
             )
             try:

@@ -16,10 +16,13 @@ __all__ = ["main"]
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("hiersync.bench", "benchmark schedules x bucket sizes side by side (default: emulated 2x2 cluster)"),
-    "collbench": ("hiersync.collbench", "nccl-tests-like collective microbenchmark per level"),
-    "testbed": ("hiersync.testbed", "run a script on an emulated multi-node cluster (netns + shaped link)"),
-    "calibrate": ("hiersync.calibrate", "measure alpha/beta per level and write a JSON profile"),
+    "bench": (
+        "hiersync.tools.bench",
+        "benchmark schedules x bucket sizes side by side (default: emulated 2x2 cluster)",
+    ),
+    "collbench": ("hiersync.tools.collbench", "nccl-tests-like collective microbenchmark per level"),
+    "testbed": ("hiersync.tools.testbed", "run a script on an emulated multi-node cluster (netns + shaped link)"),
+    "calibrate": ("hiersync.tools.calibrate", "measure alpha/beta per level and write a JSON profile"),
     "plan": ("hiersync.costmodel.planner", "predict step communication time and recommend bucket size and k"),
     "project": ("hiersync.costmodel.projection", "tabulate and plot predicted times for 8..1024 GPUs"),
 }

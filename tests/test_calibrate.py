@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import TOPOLOGIES, launch
+
 from hiersync import costmodel as cm
-from hiersync.calibrate import QUICK_SIZES, FULL_SIZES, SweepConfig, fit_profile, format_fits
+from hiersync.tools.calibrate import FULL_SIZES, QUICK_SIZES, SweepConfig, fit_profile, format_fits
 
 SIZES = (4096, 65536, 2**20, 16 * 2**20)
 
@@ -49,23 +49,28 @@ def test_measured_intra_collectives_drive_the_two_level_model():
     intra, inter = cm.Link(40e-6, 1 / 3e9), cm.Link(80e-6, 1 / 95e6)
     rs, ag = cm.Link(90e-6, 2.5 / 3e9), cm.Link(50e-6, 1.5 / 3e9)  # gloo-like: slower than the ring's
     points = {
-        "intra": _points(intra, 2), "inter": _points(inter, 2),
+        "intra": _points(intra, 2),
+        "inter": _points(inter, 2),
         "intra_reduce_scatter": [(n, cm.reduce_scatter_time("ring", 2, n, rs)) for n in SIZES],
         "intra_all_gather": [(n, cm.all_gather_time("ring", 2, n, ag)) for n in SIZES],
     }
-    profile, fits = fit_profile(points, nodes=2, ranks_per_node=2, backend="gloo")
+    profile, _ = fit_profile(points, nodes=2, ranks_per_node=2, backend="gloo")
     assert profile.intra_reduce_scatter.beta == pytest.approx(rs.beta, rel=1e-6)
     assert profile.intra_all_gather.alpha == pytest.approx(ag.alpha, rel=1e-6)
     assert cm.Profile.from_json(profile.to_json()).intra_all_gather == profile.intra_all_gather
     n = 8e6
-    want = cm.reduce_scatter_time("ring", 2, n, rs) + cm.allreduce_time("ring", 2, n / 2, inter) + \
-        cm.all_gather_time("ring", 2, n, ag)
+    want = (
+        cm.reduce_scatter_time("ring", 2, n, rs)
+        + cm.allreduce_time("ring", 2, n / 2, inter)
+        + cm.all_gather_time("ring", 2, n, ag)
+    )
     got = cm.hierarchical_allreduce_time(n, 2, 2, profile.intra, profile.inter, reduce_scatter=rs, all_gather=ag)
     assert got == pytest.approx(want, rel=1e-6)
     assert got > cm.hierarchical_allreduce_time(n, 2, 2, profile.intra, profile.inter)
     # One node: hiersync runs a single intra all-reduce, whatever the reduce-scatter costs.
-    assert cm.hierarchical_allreduce_time(n, 1, 2, intra, inter, reduce_scatter=rs, all_gather=ag) == \
-        pytest.approx(cm.allreduce_time("ring", 2, n, intra))
+    assert cm.hierarchical_allreduce_time(n, 1, 2, intra, inter, reduce_scatter=rs, all_gather=ag) == pytest.approx(
+        cm.allreduce_time("ring", 2, n, intra)
+    )
     # The schedule model and "auto" read the measured links from the profile.
     # (intra_algorithm="rs_ag": the variant that runs a reduce-scatter and an all-gather; a
     # gloo profile's default is "allreduce_bcast", tested in test_costmodel.py)
@@ -81,16 +86,22 @@ def test_measured_shard_broadcasts_drive_the_allreduce_bcast_model():
     intra, inter = cm.Link(40e-6, 1 / 3e9), cm.Link(80e-6, 1 / 95e6)
     bc = cm.Link(20e-6, 1 / 6e9)
     # a point is n bytes moved as 2 broadcasts of n/2 (one per local rank), in a row
-    points = {"intra": _points(intra, 2), "inter": _points(inter, 2),
-              "intra_broadcast": [(n, 2 * cm.broadcast_time("binomial", 2, n / 2, bc)) for n in SIZES]}
+    points = {
+        "intra": _points(intra, 2),
+        "inter": _points(inter, 2),
+        "intra_broadcast": [(n, 2 * cm.broadcast_time("binomial", 2, n / 2, bc)) for n in SIZES],
+    }
     profile, fits = fit_profile(points, nodes=2, ranks_per_node=2, backend="gloo")
     assert profile.intra_broadcast.alpha == pytest.approx(bc.alpha, rel=1e-6)
     assert profile.intra_broadcast.beta == pytest.approx(bc.beta, rel=1e-6)
     assert fits["intra_broadcast"].r2 == pytest.approx(1.0)
     assert cm.Profile.from_json(profile.to_json()).intra_broadcast == profile.intra_broadcast
     n = 8e6
-    want = cm.allreduce_time("ring", 2, n, intra) + cm.allreduce_time("ring", 2, n / 2, inter) + \
-        2 * (bc.alpha + n / 2 * bc.beta)
+    want = (
+        cm.allreduce_time("ring", 2, n, intra)
+        + cm.allreduce_time("ring", 2, n / 2, inter)
+        + 2 * (bc.alpha + n / 2 * bc.beta)
+    )
     kw = dict(grad_bytes=n, bucket_bytes=n, backward_s=0.0)
     assert cm.step_time("hiersync", profile=profile, **kw).comm_s == pytest.approx(want, rel=1e-6)
     assert "+0.0%" in format_fits(profile, fits).split("intra_broadcast: broadcast on 2 ranks")[1]
@@ -112,8 +123,12 @@ def test_fit_profile_rejects_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(sizes=(4096,)), "2 distinct"), (dict(sizes=(0, 8)), "sizes"), (dict(reps=0), "reps"),
-     (dict(budget_s=-1.0), "budget_s")],
+    [
+        (dict(sizes=(4096,)), "2 distinct"),
+        (dict(sizes=(0, 8)), "sizes"),
+        (dict(reps=0), "reps"),
+        (dict(budget_s=-1.0), "budget_s"),
+    ],
 )
 def test_sweep_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -187,7 +202,10 @@ def auto_choices(paths: list[str]) -> list[dict]:
         torch.manual_seed(0)
         # Parameters of 16 B .. 1 MiB; a tiny bucket cap gives each its own bucket.
         model = torch.nn.Sequential(
-            torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 16), torch.nn.Tanh(),
+            torch.nn.Linear(256, 1024),
+            torch.nn.Tanh(),
+            torch.nn.Linear(1024, 16),
+            torch.nn.Tanh(),
             torch.nn.Linear(16, 4),
         )
         ref = DDP(copy.deepcopy(model), bucket_cap_mb=1e-6)

@@ -12,7 +12,17 @@ from hiersync.schedule import Schedule
 def test_pinned_example():
     s = Schedule(period=4, warmup_steps=2)
     assert [s.kind(i) for i in range(11)] == [
-        "exact", "exact", "local", "local", "local", "sync", "local", "local", "local", "sync", "local"
+        "exact",
+        "exact",
+        "local",
+        "local",
+        "local",
+        "sync",
+        "local",
+        "local",
+        "local",
+        "sync",
+        "local",
     ]
 
 

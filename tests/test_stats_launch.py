@@ -6,9 +6,9 @@ import os
 import time
 
 import pytest
-
 import ranks
 from harness import TOPOLOGIES, launch
+
 from hiersync._launch import RankFailed, run, run_all
 from hiersync.stats import collective_bytes
 

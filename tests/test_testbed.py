@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hiersync import testbed
-from hiersync.testbed import IFNAME, Testbed, TestbedError, parse_rate
+from hiersync.tools import netns, testbed
+from hiersync.tools.testbed import IFNAME, Testbed, TestbedError, parse_rate
 
 needs_netns = pytest.mark.skipif(not testbed.emulation_available()[0], reason=testbed.emulation_available()[1])
 
@@ -59,13 +59,15 @@ def test_bad_arguments_name_the_value():
 def test_namespaces_are_built_shaped_and_removed():
     with Testbed(nodes=2, procs_per_node=1, inter_rate="800mbit") as tb:
         assert tb.emulated and tb.ifname == IFNAME
-        names = list(tb.namespaces) + [tb._switch]
+        names = list(tb.namespaces) + [tb.switch_namespace]
         assert set(names) <= _netns()
-        qdisc = subprocess.run(["tc", "-n", tb.namespaces[1], "qdisc", "show", "dev", IFNAME],
-                               capture_output=True, text=True, timeout=20).stdout
+        qdisc = subprocess.run(
+            ["tc", "-n", tb.namespaces[1], "qdisc", "show", "dev", IFNAME], capture_output=True, text=True, timeout=20
+        ).stdout
         assert "tbf" in qdisc and "800Mbit" in qdisc
-        addr = subprocess.run(["ip", "-n", tb.namespaces[0], "addr", "show", IFNAME],
-                              capture_output=True, text=True, timeout=20).stdout
+        addr = subprocess.run(
+            ["ip", "-n", tb.namespaces[0], "addr", "show", IFNAME], capture_output=True, text=True, timeout=20
+        ).stdout
         assert "198.18.0.1/" in addr and tb.node_addr(1) == "198.18.0.2"
         # The host's own namespace is untouched: the veths live in the testbed's namespaces only.
         host = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=20).stdout
@@ -78,16 +80,13 @@ def test_namespaces_are_built_shaped_and_removed():
 def test_failing_node_kills_the_others_and_cleans_up(tmp_path):
     script = tmp_path / "fail_on_node1.py"
     script.write_text(
-        "import os, sys, time\n"
-        "if os.environ['HIERSYNC_TESTBED_NODE'] == '1':\n"
-        "    sys.exit(3)\n"
-        "time.sleep(120)\n"
+        "import os, sys, time\nif os.environ['HIERSYNC_TESTBED_NODE'] == '1':\n    sys.exit(3)\ntime.sleep(120)\n"
     )
     start = time.monotonic()
     with Testbed(nodes=2, procs_per_node=1) as tb:
         with pytest.raises(TestbedError, match="node 1"):
             tb.launch([str(script)], timeout=90, log_dir=tmp_path)
-        assert all(not testbed._ns_pids(ns) for ns in tb.namespaces)
+        assert all(not netns.ns_pids(ns) for ns in tb.namespaces)
         names = list(tb.namespaces)
     assert time.monotonic() - start < 60
     assert not set(names) & _netns()
@@ -104,7 +103,9 @@ def test_sigint_removes_namespaces_and_processes(tmp_path):
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "hiersync", "testbed", "--nodes", "2", "--procs-per-node", "1", "--", str(script)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 90
@@ -143,11 +144,10 @@ def test_falls_back_to_loopback_with_a_warning(tmp_path, monkeypatch, caplog):
         f"pathlib.Path({str(tmp_path)!r}, 'rank-' + os.environ['RANK']).write_text("
         "os.environ['GROUP_RANK'] + ' ' + os.environ['GLOO_SOCKET_IFNAME'] + ' ' + os.environ['MASTER_ADDR'])\n"
     )
-    with caplog.at_level(logging.WARNING, logger="hiersync.testbed"):
-        with Testbed(nodes=2, procs_per_node=1) as tb:
-            assert not tb.emulated and tb.ifname == "lo" and tb.node_addr(1) == "127.0.0.1"
-            assert "NOT shaped" in tb.describe()
-            tb.launch([str(script)], timeout=90, log_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="hiersync.tools.testbed"), Testbed(nodes=2, procs_per_node=1) as tb:
+        assert not tb.emulated and tb.ifname == "lo" and tb.node_addr(1) == "127.0.0.1"
+        assert "NOT shaped" in tb.describe()
+        tb.launch([str(script)], timeout=90, log_dir=tmp_path)
     assert "NOT shaped" in caplog.text and "no root in this test" in caplog.text
     seen = sorted((tmp_path / f"rank-{r}").read_text() for r in range(2))
     # One torchrun agent per emulated node: distinct GROUP_RANKs, so Topology.detect() sees two nodes.

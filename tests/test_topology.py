@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import ranks
+from harness import launch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ranks
-from harness import launch
 from hiersync import Topology
 from hiersync.topology import parse_node_ids
 
@@ -34,7 +34,7 @@ def test_uneven():
     assert t.nodes == ((0, 1, 2), (3,))
     assert t.rails == ((0, 3), (1,), (2,))
     with pytest.raises(ValueError, match="uneven"):
-        t.ranks_per_node
+        _ = t.ranks_per_node
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_from_node_ids_rejects_string():
 
 
 def test_rank_in_no_node():
-    with pytest.raises(ValueError, match="cover global ranks 0..2 exactly once"):
+    with pytest.raises(ValueError, match=r"cover global ranks 0\.\.2 exactly once"):
         Topology(nodes=((0, 1), (3,)))
     with pytest.raises(ValueError, match="at least one rank"):
         Topology(nodes=((0, 1), ()))

@@ -13,9 +13,8 @@ Ctrl-C) and starts one ``torchrun`` agent per node: real c10d rendezvous hosted 
 testbed address (on a port the OS picked), gloo over ``GLOO_SOCKET_IFNAME=hsnet0``, one
 ``GROUP_RANK`` per agent so :meth:`hiersync.Topology.detect` sees the emulated nodes.
 Without root or iproute2 it falls back to plain loopback and says so: links are then not
-shaped. :func:`run_ranks` runs a function on every rank of such a cluster (bench and
-collbench use it); in loopback mode it uses the private forkserver launcher instead of
-torchrun.
+shaped. :func:`hiersync.tools.cluster.run_ranks` runs a function on every rank of such a cluster
+(bench and collbench use it). The Linux plumbing lives in :mod:`hiersync.tools.netns`.
 
 Example::
 
@@ -30,30 +29,37 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import datetime
-import importlib
 import itertools
 import logging
 import os
-import pickle
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
-from ._io import atomic_write_bytes
+from .netns import (
+    IP_TIMEOUT_S,
+    NS_PREFIX,
+    descendants,
+    emulation_available,
+    kill,
+    ns_pids,
+    parse_rate,
+    pid_alive,
+    run_ip,
+    signals_raise,
+    stale_namespaces,
+    tail,
+)
 
 __all__ = [
     "Testbed",
     "TestbedError",
-    "run_ranks",
     "parse_rate",
     "emulation_available",
     "stale_namespaces",
@@ -67,18 +73,10 @@ logger = logging.getLogger(__name__)
 
 IFNAME = "hsnet0"
 """Name of each node's interface inside its namespace (what ``GLOO_SOCKET_IFNAME`` names)."""
-NS_PREFIX = "hiersync-"
-"""Every namespace a testbed creates is called ``hiersync-<pid>-<n>-<node|sw>``."""
 _SUBNET = (198, 18)  # 198.18.0.0/15 is reserved for network benchmarks (RFC 2544)
 _MAX_NODES = 250
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
-_RATE_UNITS = {
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-}  # tc's units: "bps" is bytes per second
 _SIZE_RE = re.compile(r"^\d+(?:\.\d+)?(b|k|kb|kbit|m|mb|mbit|g|gb|gbit)?$", re.IGNORECASE)
 _TIME_RE = re.compile(r"^\d+(?:\.\d+)?(s|sec|secs|ms|msec|msecs|us|usec|usecs)?$", re.IGNORECASE)
-_IP_TIMEOUT_S = 20.0
 _counter = itertools.count()
 
 
@@ -88,133 +86,6 @@ class TestbedError(RuntimeError):
     __test__ = False  # not a pytest test class despite the name
 
 
-def parse_rate(rate: str) -> float:
-    """Bits per second of a tc rate string such as ``"800mbit"`` (tc's ``bps`` is bytes/s)."""
-    m = _RATE_RE.match(str(rate).strip())
-    if not m:
-        raise ValueError(
-            f"inter_rate={rate!r} is not a tc rate; use e.g. '800mbit', '10gbit' or '100mbps' (bytes/s)"
-        )
-    value = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ValueError(f"inter_rate={rate!r} must be > 0")
-    return value
-
-
-def _run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def emulation_available() -> tuple[bool, str]:
-    """Whether namespaces can be built here, and if not, why (root and iproute2 needed)."""
-    if not sys.platform.startswith("linux"):
-        return False, f"network namespaces need Linux, this is {sys.platform}"
-    if os.geteuid() != 0:
-        return False, "creating network namespaces needs root (run with sudo)"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return False, f"iproute2 is not installed ({', '.join(missing)} not found)"
-    return True, ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _namespaces() -> list[str]:
-    proc = _run_ip(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
-def _ns_pids(ns: str) -> list[int]:
-    proc = _run_ip(["ip", "netns", "pids", ns], check=False)
-    return [int(p) for p in proc.stdout.split() if p.isdigit()]
-
-
-def stale_namespaces() -> list[str]:
-    """Testbed namespaces whose creating process is gone (left by a ``kill -9``)."""
-    out = []
-    for ns in _namespaces():
-        m = re.match(rf"^{re.escape(NS_PREFIX)}(\d+)-", ns)
-        if m and not _pid_alive(int(m.group(1))):
-            out.append(ns)
-    return out
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s children, grandchildren, ... (from /proc; empty where there is no /proc)."""
-    if not os.path.isdir("/proc"):
-        return []
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _kill(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so every ``finally`` cleanup runs.
-
-    SIGINT is included explicitly: a process started from a non-interactive shell's
-    background job inherits SIGINT as *ignored*, and Python then installs no handler, so
-    Ctrl-C (or ``kill -INT``) would leave the job and its namespaces running.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def _tail(path: Path | None, lines: int = 40) -> str:
-    if path is None or not path.exists():
-        return ""
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
 class Testbed:
     """``nodes`` emulated nodes of ``procs_per_node`` ranks joined by a link shaped to ``inter_rate``.
 
@@ -222,7 +93,7 @@ class Testbed:
         nodes: number of emulated nodes (namespaces), 1..250.
         procs_per_node: ranks per node (torchrun's ``--nproc-per-node``).
         inter_rate: tc rate of each node's egress, e.g. ``"800mbit"``; ``None`` = unshaped veths.
-        burst, latency: tbf's bucket size and queueing limit (DESIGN: 256kb, 100ms).
+        burst, latency: tbf's bucket size and queueing limit (defaults 256kb, 100ms).
         loopback: skip the namespaces even where they are available (plain 127.0.0.1).
 
     Use it as a context manager: the network exists inside the ``with`` block only. Without
@@ -276,6 +147,11 @@ class Testbed:
         return self.nodes * self.procs_per_node
 
     @property
+    def switch_namespace(self) -> str | None:
+        """The namespace holding the bridge that joins the nodes (None on loopback)."""
+        return self._switch
+
+    @property
     def ifname(self) -> str:
         return IFNAME if self.emulated else "lo"
 
@@ -291,10 +167,12 @@ class Testbed:
         shape = f"{self.nodes} nodes x {self.procs_per_node} ranks"
         if not self.emulated:
             return f"{shape} on loopback (links NOT shaped: {self.fallback_reason or 'loopback requested'})"
-        link = f"tbf {self.inter_rate} burst {self.burst} latency {self.latency}" if self.inter_rate else "unshaped veth"
+        link = (
+            f"tbf {self.inter_rate} burst {self.burst} latency {self.latency}" if self.inter_rate else "unshaped veth"
+        )
         return f"{shape} in network namespaces, inter-node link {link}"
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         self.up()
         return self
 
@@ -315,11 +193,13 @@ class Testbed:
             self._fall_back(why)
             return
         for ns in stale_namespaces():
-            if _ns_pids(ns):
-                logger.warning("testbed: stale namespace %s still has processes; remove it with 'ip netns del %s'", ns, ns)
+            if ns_pids(ns):
+                logger.warning(
+                    "testbed: stale namespace %s still has processes; remove it with 'ip netns del %s'", ns, ns
+                )
             else:
                 logger.info("testbed: removing stale namespace %s", ns)
-                _run_ip(["ip", "netns", "del", ns], check=False)
+                run_ip(["ip", "netns", "del", ns], check=False)
                 shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         try:
             self._build()
@@ -335,33 +215,49 @@ class Testbed:
         logger.warning(
             "testbed: %s; falling back to plain loopback: the %d 'nodes' share 127.0.0.1 and inter-node "
             "links are NOT shaped, so step times will not show the cost of a slow network",
-            why, self.nodes,
+            why,
+            self.nodes,
         )
 
     def _build(self) -> None:
         sw = f"{self.tag}-sw"
-        _run_ip(["ip", "netns", "add", sw])
+        run_ip(["ip", "netns", "add", sw])
         self._switch = sw
-        _run_ip(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
-        _run_ip(["ip", "-n", sw, "link", "set", "br0", "up"])
+        run_ip(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
+        run_ip(["ip", "-n", sw, "link", "set", "br0", "up"])
         for i in range(self.nodes):
             ns = f"{self.tag}-n{i}"
-            _run_ip(["ip", "netns", "add", ns])
+            run_ip(["ip", "netns", "add", ns])
             self.namespaces.append(ns)
             port = f"p{i}"
             # Both ends are created directly in their namespaces: the host's namespace never sees them.
-            _run_ip(["ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port, "netns", sw])
-            _run_ip(["ip", "-n", sw, "link", "set", port, "master", "br0"])
-            _run_ip(["ip", "-n", sw, "link", "set", port, "up"])
-            _run_ip(["ip", "-n", ns, "addr", "add", f"{_SUBNET[0]}.{_SUBNET[1]}.0.{i + 1}/16", "dev", IFNAME])
-            _run_ip(["ip", "-n", ns, "link", "set", IFNAME, "up"])
-            _run_ip(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_ip(["ip", "-n", ns, "link", "add", IFNAME, "type", "veth", "peer", "name", port, "netns", sw])
+            run_ip(["ip", "-n", sw, "link", "set", port, "master", "br0"])
+            run_ip(["ip", "-n", sw, "link", "set", port, "up"])
+            run_ip(["ip", "-n", ns, "addr", "add", f"{_SUBNET[0]}.{_SUBNET[1]}.0.{i + 1}/16", "dev", IFNAME])
+            run_ip(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+            run_ip(["ip", "-n", ns, "link", "set", "lo", "up"])
             self._write_hosts(ns)
             if self.inter_rate:
-                _run_ip([
-                    "tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", "tbf",
-                    "rate", self.inter_rate, "burst", self.burst, "latency", self.latency,
-                ])
+                run_ip(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        IFNAME,
+                        "root",
+                        "tbf",
+                        "rate",
+                        self.inter_rate,
+                        "burst",
+                        self.burst,
+                        "latency",
+                        self.latency,
+                    ]
+                )
 
     def _write_hosts(self, ns: str) -> None:
         # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts: naming the testbed
@@ -373,7 +269,8 @@ class Testbed:
         # c10d's sockets are dual-stack, so peers appear as v4-mapped IPv6 addresses too.
         names = "".join(
             f"{prefix}{_SUBNET[0]}.{_SUBNET[1]}.0.{i + 1} {self.tag}-node{i}\n"
-            for i in range(self.nodes) for prefix in ("", "::ffff:")
+            for i in range(self.nodes)
+            for prefix in ("", "::ffff:")
         )
         d = Path("/etc/netns") / ns
         d.mkdir(parents=True, exist_ok=True)
@@ -394,13 +291,13 @@ class Testbed:
         names = list(self.namespaces) + ([self._switch] if self._switch else [])
         for ns in names:
             try:
-                pids = _ns_pids(ns)
+                pids = ns_pids(ns)
                 if pids:  # only processes this testbed started can live in its namespaces
                     logger.warning("testbed: killing %d leftover processes in %s", len(pids), ns)
-                    _kill(pids, signal.SIGKILL)
+                    kill(pids, signal.SIGKILL)
                     time.sleep(0.1)
                 # Deleting a namespace destroys its veth end, which destroys the peer too.
-                _run_ip(["ip", "netns", "del", ns], check=False)
+                run_ip(["ip", "netns", "del", ns], check=False)
             except (OSError, subprocess.TimeoutExpired) as e:  # keep removing the others
                 logger.error("testbed: could not remove namespace %s: %s (remove it with 'ip netns del %s')", ns, e, ns)
         for d in self._etc_dirs:
@@ -419,7 +316,7 @@ class Testbed:
         cmd = [sys.executable, "-c", code]
         if self.emulated:
             cmd = ["ip", "netns", "exec", self.namespaces[0]] + cmd
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT_S, check=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=True)
         return int(out.stdout.strip())
 
     def node_env(self, node: int) -> dict[str, str]:
@@ -427,32 +324,47 @@ class Testbed:
         env = dict(os.environ)
         if env.pop("HIERSYNC_NODE_IDS", None) is not None:
             logger.warning("testbed: ignoring HIERSYNC_NODE_IDS; ranks find their node from torchrun's GROUP_RANK")
-        env.update({
-            "GLOO_SOCKET_IFNAME": self.ifname,
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            "PYTHONUNBUFFERED": "1",
-            "HIERSYNC_TESTBED_NODE": str(node),
-            "HIERSYNC_TESTBED_ADDR": self.node_addr(node),
-            "HIERSYNC_TESTBED_EMULATED": "1" if self.emulated else "0",
-        })
+        env.update(
+            {
+                "GLOO_SOCKET_IFNAME": self.ifname,
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                "PYTHONUNBUFFERED": "1",
+                "HIERSYNC_TESTBED_NODE": str(node),
+                "HIERSYNC_TESTBED_ADDR": self.node_addr(node),
+                "HIERSYNC_TESTBED_EMULATED": "1" if self.emulated else "0",
+            }
+        )
         return env
 
-    def torchrun_command(self, node: int, port: int, command: Sequence[str], run_id: str, join_timeout: int = 60) -> list[str]:
+    def torchrun_command(
+        self, node: int, port: int, command: Sequence[str], run_id: str, join_timeout: int = 60
+    ) -> list[str]:
         """The command line of node ``node``'s torchrun agent (wrapped in ``ip netns exec``)."""
         addr0 = self.node_addr(0)
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(self.nodes),
-            "--nproc-per-node", str(self.procs_per_node),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{addr0}:{port}",
-            "--rdzv-id", run_id,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.nodes),
+            "--nproc-per-node",
+            str(self.procs_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{addr0}:{port}",
+            "--rdzv-id",
+            run_id,
             # Who hosts the rendezvous store is explicit: hostname matching cannot tell
             # namespaces apart (they share the hostname).
-            "--rdzv-conf", f"is_host={1 if node == 0 else 0},join_timeout={join_timeout}",
-            "--local-addr", self.node_addr(node),
-            "--max-restarts", "0",
-            "--monitor-interval", "0.5",
+            "--rdzv-conf",
+            f"is_host={1 if node == 0 else 0},join_timeout={join_timeout}",
+            "--local-addr",
+            self.node_addr(node),
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.5",
         ] + list(command)
         if self.emulated:
             cmd = ["ip", "netns", "exec", self.namespaces[node]] + cmd
@@ -486,22 +398,28 @@ class Testbed:
         files: list[Any] = []
         procs: list[subprocess.Popen] = []
         start = time.monotonic()
-        with _signals_raise():
+        with signals_raise():
             try:
                 for node in range(self.nodes):
                     log = Path(log_dir) / f"node{node}.log" if log_dir is not None else None
                     out = None
                     if log is not None:
                         log.parent.mkdir(parents=True, exist_ok=True)
-                        out = open(log, "wb")
+                        out = open(log, "wb")  # noqa: SIM115 - closed in the finally below
                         files.append(out)
                     logs.append(log)
                     cmd = self.torchrun_command(node, port, command, run_id, join_timeout)
                     logger.debug("testbed: node %d: %s", node, " ".join(cmd))
-                    procs.append(subprocess.Popen(
-                        cmd, env=self.node_env(node), stdout=out, stderr=subprocess.STDOUT if out else None,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
-                    ))
+                    procs.append(
+                        subprocess.Popen(
+                            cmd,
+                            env=self.node_env(node),
+                            stdout=out,
+                            stderr=subprocess.STDOUT if out else None,
+                            stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                        )
+                    )
                 while True:
                     codes = [p.poll() for p in procs]
                     bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -509,7 +427,7 @@ class Testbed:
                         node, code = bad[0]
                         raise TestbedError(
                             f"node {node}'s torchrun exited with code {code}"
-                            + (f"; last lines of {logs[node]}:\n{_tail(logs[node])}" if logs[node] else "")
+                            + (f"; last lines of {logs[node]}:\n{tail(logs[node])}" if logs[node] else "")
                         )
                     if all(c == 0 for c in codes):
                         return
@@ -529,130 +447,22 @@ class Testbed:
     def _terminate(self, procs: Sequence[subprocess.Popen]) -> None:
         """SIGTERM each running agent (it stops its ranks), then SIGKILL anything left."""
         running = [p for p in procs if p.poll() is None]
-        tree = {p.pid: _descendants(p.pid) for p in procs}
+        tree = {p.pid: descendants(p.pid) for p in procs}
         if running:
-            _kill([p.pid for p in running], signal.SIGTERM)
+            kill([p.pid for p in running], signal.SIGTERM)
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and any(p.poll() is None for p in running):
                 time.sleep(0.1)
-        leftovers = [pid for pids in tree.values() for pid in pids if _pid_alive(pid)]
+        leftovers = [pid for pids in tree.values() for pid in pids if pid_alive(pid)]
         for ns in self.namespaces:
-            leftovers += _ns_pids(ns)
+            leftovers += ns_pids(ns)
         leftovers += [p.pid for p in procs if p.poll() is None]
         if leftovers:
             logger.debug("testbed: killing leftover processes %s", sorted(set(leftovers)))
-            _kill(sorted(set(leftovers)), signal.SIGKILL)
+            kill(sorted(set(leftovers)), signal.SIGKILL)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-
-
-# ---------------------------------------------------------------------------- run_ranks
-def _resolve(target: str) -> Callable[[dict], Any]:
-    module, _, name = target.partition(":")
-    if not module or not name:
-        raise ValueError(f"target={target!r} must be 'package.module:function'")
-    return getattr(importlib.import_module(module), name)
-
-
-def _call(target: str, config: dict) -> Any:
-    """Body of every rank under the loopback launcher (module level: the forkserver pickles it)."""
-    return _resolve(target)(config)
-
-
-def run_ranks(
-    target: str,
-    config: dict,
-    *,
-    nodes: int = 2,
-    procs_per_node: int = 2,
-    inter_rate: str | None = "800mbit",
-    loopback: bool = False,
-    timeout: float = 600.0,
-    pg_timeout: float = 120.0,
-    log_dir: str | os.PathLike | None = None,
-    poll: Callable[[], None] | None = None,
-) -> tuple[list[Any], dict[str, Any]]:
-    """Run ``target(config)`` (``"module:function"``) on every rank of an emulated cluster.
-
-    Returns the per-rank return values (picklable) and a description of where they ran
-    (``mode`` is ``"netns"`` or ``"loopback"``). On the testbed every node runs a torchrun
-    agent; on loopback the ranks are forked by :func:`hiersync._launch.run` with
-    ``HIERSYNC_NODE_IDS`` describing the emulated nodes.
-    """
-    _resolve(target)  # fail here, not in every rank
-    with Testbed(nodes, procs_per_node, inter_rate, loopback=loopback) as tb:
-        info = {
-            "mode": "netns" if tb.emulated else "loopback",
-            "nodes": nodes,
-            "procs_per_node": procs_per_node,
-            "inter_rate": tb.inter_rate if tb.emulated else None,
-            "burst": tb.burst if tb.emulated else None,
-            "latency": tb.latency if tb.emulated else None,
-            "describe": tb.describe(),
-            "fallback_reason": tb.fallback_reason,
-        }
-        if not tb.emulated:
-            from ._launch import run as launch_ranks
-
-            node_ids = [r // procs_per_node for r in range(tb.world_size)]
-            stop = threading.Event()
-            ticker = None
-            if poll is not None:
-                def tick() -> None:
-                    while not stop.wait(0.2):
-                        poll()
-
-                ticker = threading.Thread(target=tick, name="hiersync-poll", daemon=True)
-                ticker.start()
-            try:
-                results = launch_ranks(
-                    _call, tb.world_size, (target, config), node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout
-                )
-            finally:
-                stop.set()
-                if ticker is not None:
-                    ticker.join(5)
-            return results, info
-        with tempfile.TemporaryDirectory(prefix="hiersync-testbed-") as tmp:
-            cfg = Path(tmp) / "config.pkl"
-            cfg.write_bytes(pickle.dumps({"target": target, "config": config, "pg_timeout": pg_timeout}))
-            tb.launch(
-                ["-m", "hiersync.testbed", "--call", str(cfg), "--out-dir", tmp],
-                timeout=timeout, log_dir=log_dir or tmp, poll=poll,
-            )
-            results = []
-            for r in range(tb.world_size):
-                path = Path(tmp) / f"result-{r}.pkl"
-                if not path.exists():
-                    raise TestbedError(f"rank {r} exited 0 but wrote no result ({path})")
-                results.append(pickle.loads(path.read_bytes()))
-            return results, info
-
-
-def _worker_main(argv: Sequence[str]) -> int:
-    """Entry point of every rank under torchrun: ``python -m hiersync.testbed --call CFG --out-dir DIR``."""
-    parser = argparse.ArgumentParser(prog="python -m hiersync.testbed")
-    parser.add_argument("--call", required=True, help="pickled {'target', 'config', 'pg_timeout'}")
-    parser.add_argument("--out-dir", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s rank%(process)d %(name)s: %(message)s")
-    with open(args.call, "rb") as f:
-        spec = pickle.load(f)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["pg_timeout"]))
-    rank = dist.get_rank()
-    result = _resolve(spec["target"])(spec["config"])
-    atomic_write_bytes(Path(args.out_dir) / f"result-{rank}.pkl", pickle.dumps(result))
-    # Leave together (gloo connects lazily) and skip interpreter teardown, whose gloo
-    # shutdown can hang when a peer is already gone: the result is on disk.
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -674,8 +484,9 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise ValueError("give the script to run after '--', e.g. -- train.py --epochs 1")
-    with Testbed(args.nodes, args.procs_per_node, args.inter_rate, burst=args.burst, latency=args.latency,
-                 loopback=args.loopback) as tb:
+    with Testbed(
+        args.nodes, args.procs_per_node, args.inter_rate, burst=args.burst, latency=args.latency, loopback=args.loopback
+    ) as tb:
         logger.info("testbed: running %s on %s", " ".join(command), tb.describe())
         try:
             tb.launch(command, timeout=args.timeout, log_dir=args.log_dir)
@@ -683,7 +494,3 @@ def run(args: argparse.Namespace) -> int:
             logger.error("%s", e)
             return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))

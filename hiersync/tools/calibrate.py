@@ -16,7 +16,8 @@ Two ways to run it:
 * on one machine with ``--nodes N --procs-per-node L``: ranks are forked locally and
   ``HIERSYNC_NODE_IDS`` makes them N emulated nodes (all links are loopback then).
 
-Only rank 0 writes the file and prints the fitted table.
+Only rank 0 writes the file and prints the fitted table. The timing itself lives in
+:mod:`hiersync.tools.sweep`; this module fits, reports and runs the command.
 
 Example::
 
@@ -37,21 +38,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import math
 import os
 import platform
 import socket
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from hiersync import costmodel as cm
+from hiersync.vocab import format_size, parse_size
+
+from .sweep import FULL_SIZES, INTRA_COLLECTIVES, LEVELS, QUICK_SIZES, SweepConfig, sweep, time_op, time_ops
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
 __all__ = [
     "QUICK_SIZES",
@@ -71,180 +73,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KIB, MIB = 2**10, 2**20
-# Every power of two from 4 KiB to 256 MiB: alpha dominates below ~10-25 KB on slow
-# links, beta above ~1 MB on fast ones (docs/costmodel.md "Fitting alpha and beta").
-FULL_SIZES: tuple[int, ...] = tuple(4 * KIB * 2**i for i in range(17))
-# Every fourth power of two up to 64 MiB: enough points on both sides of the
-# alpha/beta knee, and it finishes in well under a minute on a two-core laptop.
-QUICK_SIZES: tuple[int, ...] = tuple(4 * KIB * 4**i for i in range(9))[:-1]
-LEVELS = ("intra", "inter")
-# What the two-level all-reduce runs inside the node, measured as well: a backend may
-# implement them less efficiently than its all-reduce (gloo does; see costmodel.Profile).
-# "intra_broadcast" is the shard gather of HierComm's "allreduce_bcast" variant (gloo): L
-# broadcasts of n/L issued together, each local rank the source of its own shard.
-INTRA_COLLECTIVES = {
-    "intra_reduce_scatter": "reduce_scatter", "intra_all_gather": "all_gather", "intra_broadcast": "broadcast",
-}
 # The algorithm each intra collective is fitted with: gloo's broadcast is a binomial tree.
 _INTRA_FIT_ALGORITHM = {"reduce_scatter": "ring", "all_gather": "ring", "broadcast": "binomial"}
 _ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner", "binomial")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SweepConfig:
-    """How to time each message size. Every rank must use the same values."""
-
-    sizes: tuple[int, ...] = QUICK_SIZES
-    """Message sizes in bytes (fp32 tensors; rounded down to whole elements)."""
-    warmup: int = 2
-    """Untimed calls first: connections, buffers, caches."""
-    reps: int = 5
-    """Timed repetitions; the median is reported (at least 3 survive the budget)."""
-    min_rep_s: float = 0.02
-    """A repetition loops the collective until it lasts this long, so one barrier's skew
-    (tens of microseconds) does not swamp a 4 KB all-reduce."""
-    budget_s: float = 2.0
-    """Seconds per size and level (on average) after warmup: when the sizes' repetitions
-    would take longer, fewer (but at least 3) are made."""
-
-    def __post_init__(self) -> None:
-        if not self.sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in self.sizes):
-            raise ValueError(f"sizes must be ints >= 4 bytes, got {list(self.sizes)}")
-        if len(set(self.sizes)) < 2:
-            raise ValueError(f"need at least 2 distinct sizes to fit alpha and beta, got {list(self.sizes)}")
-        for name in ("warmup", "reps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup" else 1):
-                raise ValueError(f"{name} must be an int >= {0 if name == 'warmup' else 1}, got {value!r}")
-        for name in ("min_rep_s", "budget_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-
-
-# ---------------------------------------------------------------------------
-# Measuring (collective: every rank of the world calls these in the same order).
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def _world_max(values: Sequence[float], device: torch.device) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(list(values), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.cpu()]
-
-
-def time_ops(ops: Sequence[Callable[[], Any]], device: torch.device, config: SweepConfig = SweepConfig()) -> list[float]:
-    """Median seconds per call of each of ``ops`` (slowest rank of each repetition). Collective.
-
-    Every rank of the world must call this at the same time with as many ``ops``, each
-    rank with its own (e.g. all-reduces on its own intra group): loop counts are agreed
-    across the world from the slowest rank's warm times, so every group issues equally
-    many calls. A repetition of one op starts after a world barrier, loops it until about
-    ``config.min_rep_s`` has passed, and divides. Repetitions are *interleaved* (op 0,
-    op 1, ..., op 0, op 1, ...) so that a burst of load from another process spreads over
-    every op instead of biasing one message size.
-    """
-    import torch.distributed as dist
-
-    warm = []
-    for op in ops:
-        for _ in range(config.warmup):
-            op()
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        op()
-        _sync(device)
-        warm.append(time.perf_counter() - start)
-    estimates = [max(t, 1e-7) for t in _world_max(warm, device)]
-    inner = [max(1, min(100_000, math.ceil(config.min_rep_s / e))) for e in estimates]
-    per_rep = sum(i * e for i, e in zip(inner, estimates))
-    affordable = int(config.budget_s * len(ops) // per_rep)
-    reps = min(config.reps, max(3, affordable))
-    times: list[list[float]] = [[] for _ in ops]
-    for _ in range(reps):
-        for j, op in enumerate(ops):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(inner[j]):
-                op()
-            _sync(device)
-            times[j].append((time.perf_counter() - start) / inner[j])
-    flat = _world_max([t for row in times for t in row], device)
-    return [statistics.median(flat[j * reps : (j + 1) * reps]) for j in range(len(ops))]
-
-
-def time_op(op: Callable[[], Any], device: torch.device, config: SweepConfig = SweepConfig()) -> float:
-    """:func:`time_ops` of one op."""
-    return time_ops([op], device, config)[0]
-
-
-def sweep(groups: Any, config: SweepConfig, device: torch.device) -> dict[str, list[tuple[int, float]]]:
-    """Collective times per level and size: ``{"intra": [(bytes, s), ...], ...}``. Collective.
-
-    ``groups`` is this rank's :class:`hiersync.topology.Groups`. ``"intra"`` and
-    ``"inter"`` are all-reduces on the intra groups (all nodes at once) and on the rails
-    (all rails at once); ``"intra_reduce_scatter"`` and ``"intra_all_gather"`` time the
-    node's reduce-scatter (bytes = input) and all-gather (bytes = output) that the
-    two-level all-reduce uses, ``"intra_broadcast"`` the L shard broadcasts of its
-    ``"allreduce_bcast"`` variant (bytes = the whole message, n/L per broadcast, all L
-    issued at once as ``HierComm`` does). Every size is interleaved with the others (see
-    :func:`time_ops`). Levels whose groups hold one rank are left out.
-    """
-    import torch
-    import torch.distributed as dist
-
-    # The functions HierComm calls (torch 2.13 renamed reduce_scatter_tensor and
-    # all_gather_into_tensor; older releases have only the old names).
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    L = groups.node_size
-    sizes = {level: [max(1, n // 4) for n in config.sizes] for level in LEVELS}
-    # Reduce-scatter and all-gather need whole shards: round down to a multiple of L.
-    for level in INTRA_COLLECTIVES:
-        sizes[level] = [max(L, n // 4 // L * L) for n in config.sizes]
-    # One buffer (views) serves every size, so the full sweep needs 256 MiB, not 512.
-    # Zeros stay zeros under summation: no overflow, no denormals, whatever the count.
-    buf = torch.zeros(max(sizes["intra"]), dtype=torch.float32, device=device)
-    shard = torch.zeros(max(sizes["intra_all_gather"]) // L, dtype=torch.float32, device=device)
-    intra, rail = groups.intra, groups.rail
-    node = groups.topology.node_ranks(groups.rank)
-
-    def shard_broadcasts(x: torch.Tensor) -> None:
-        step = x.numel() // L
-        works = [dist.broadcast(x[r * step : (r + 1) * step], src=node[r], group=intra, async_op=True)
-                 for r in range(L)]
-        for work in works:
-            work.wait()
-
-    makers: dict[str, Callable[[int], Callable[[], Any]]] = {
-        "intra": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=intra),
-        "inter": lambda m: lambda x=buf[:m]: dist.all_reduce(x, group=rail),
-        "intra_reduce_scatter": lambda m: lambda x=buf[:m], y=shard[: m // L]: reduce_scatter(y, x, group=intra),
-        "intra_all_gather": lambda m: lambda x=buf[:m], y=shard[: m // L]: all_gather(x, y, group=intra),
-        "intra_broadcast": lambda m: lambda x=buf[:m]: shard_broadcasts(x),
-    }
-    group_size = {"intra": L, "inter": groups.rail_size, **{level: L for level in INTRA_COLLECTIVES}}
-    out: dict[str, list[tuple[int, float]]] = {}
-    for level in (*LEVELS, *INTRA_COLLECTIVES):
-        if group_size[level] < 2:
-            continue
-        seconds = time_ops([makers[level](m) for m in sizes[level]], device, config)
-        out[level] = [(m * 4, t) for m, t in zip(sizes[level], seconds)]
-        if dist.get_rank() == 0:
-            for m, t in zip(sizes[level], seconds):
-                logger.info("calibrate: %s of %s on %d ranks: %.1f us", level, _fmt_bytes(m * 4), group_size[level], t * 1e6)
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -285,7 +116,9 @@ def fit_profile(
         raise ValueError(f"unknown levels {unknown}; valid: {', '.join((*LEVELS, *INTRA_COLLECTIVES))}")
     ranks = {"intra": ranks_per_node, "inter": nodes, **{k: ranks_per_node for k in INTRA_COLLECTIVES}}
     collective = {"intra": "allreduce", "inter": "allreduce", **INTRA_COLLECTIVES}
-    fit_algorithm = {level: algorithm if c == "allreduce" else _INTRA_FIT_ALGORITHM[c] for level, c in collective.items()}
+    fit_algorithm = {
+        level: algorithm if c == "allreduce" else _INTRA_FIT_ALGORITHM[c] for level, c in collective.items()
+    }
     fits: dict[str, cm.LinkFit] = {}
     for level, pts in points.items():
         if not pts:
@@ -310,26 +143,32 @@ def fit_profile(
     meta: dict[str, Any] = dict(metadata or {})
     meta["fits"] = {
         level: {
-            "ranks": ranks[level], "collective": collective[level],
-            "algorithm": fit_algorithm[level], "alpha": f.link.alpha,
-            "beta": f.link.beta, "r2": f.r2, "max_rel_error": f.max_rel_error, "num_points": f.num_points,
+            "ranks": ranks[level],
+            "collective": collective[level],
+            "algorithm": fit_algorithm[level],
+            "alpha": f.link.alpha,
+            "beta": f.link.beta,
+            "r2": f.r2,
+            "max_rel_error": f.max_rel_error,
+            "num_points": f.num_points,
         }
         for level, f in fits.items()
     }
     meta["points"] = {level: [[int(n), float(t)] for n, t in pts] for level, pts in points.items()}
-    extra = {level: fits[level].link if level in fits else None for level in INTRA_COLLECTIVES}
+    extra: dict[str, Any] = {level: fits[level].link if level in fits else None for level in INTRA_COLLECTIVES}
     profile = cm.Profile(
-        intra=intra, inter=inter, nodes=nodes, ranks_per_node=ranks_per_node, rails=rails, backend=backend,
-        name=name, source=source, metadata=meta, **extra,
+        intra=intra,
+        inter=inter,
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        rails=rails,
+        backend=backend,
+        name=name,
+        source=source,
+        metadata=meta,
+        **extra,
     )
     return profile, fits
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n:g} B"
 
 
 def _shard_broadcasts_time(algorithm: str, ranks: int, nbytes: float, link: cm.Link) -> float:
@@ -338,7 +177,9 @@ def _shard_broadcasts_time(algorithm: str, ranks: int, nbytes: float, link: cm.L
 
 
 _PREDICT: dict[str, Callable[[str, int, float, cm.Link], float]] = {
-    "allreduce": cm.allreduce_time, "reduce_scatter": cm.reduce_scatter_time, "all_gather": cm.all_gather_time,
+    "allreduce": cm.allreduce_time,
+    "reduce_scatter": cm.reduce_scatter_time,
+    "all_gather": cm.all_gather_time,
     "broadcast": _shard_broadcasts_time,
 }
 
@@ -369,10 +210,14 @@ def format_fits(profile: cm.Profile, fits: Mapping[str, cm.LinkFit]) -> str:
     for level, f in fits.items():
         p = meta[level]["ranks"]
         what = meta[level].get("collective", "allreduce")
-        lines += ["", f"{level}: {what} on {p} ranks", f"{'bytes':>12} {'measured_us':>12} {'fitted_us':>12} {'error':>7}"]
+        lines += [
+            "",
+            f"{level}: {what} on {p} ranks",
+            f"{'bytes':>12} {'measured_us':>12} {'fitted_us':>12} {'error':>7}",
+        ]
         for n, t in points.get(level, []):
             pred = _PREDICT[what](meta[level]["algorithm"], p, n, f.link)
-            lines.append(f"{_fmt_bytes(n):>12} {t * 1e6:>12.1f} {pred * 1e6:>12.1f} {(pred - t) / t:>+7.1%}")
+            lines.append(f"{format_size(n):>12} {t * 1e6:>12.1f} {pred * 1e6:>12.1f} {(pred - t) / t:>+7.1%}")
     return "\n".join(lines)
 
 
@@ -476,7 +321,9 @@ def _torchrun_calibrate(config: SweepConfig, backend: str | None) -> dict[str, A
 def _finish(result: Mapping[str, Any], args: argparse.Namespace, mode: str) -> cm.Profile:
     meta = dict(result["metadata"])
     meta["mode"] = mode
-    meta["command"] = "python -m hiersync calibrate " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:])
+    meta["command"] = "python -m hiersync calibrate " + " ".join(
+        sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]
+    )
     profile, fits = fit_profile(
         result["points"],
         nodes=result["nodes"],
@@ -493,7 +340,9 @@ def _finish(result: Mapping[str, Any], args: argparse.Namespace, mode: str) -> c
     print(f"\nwrote {args.out} (sweep {meta.get('sweep_s', 0):.1f} s)")
     low = [level for level, f in fits.items() if f.r2 < 0.9]
     if low:
-        logger.warning("calibrate: poor fit (R^2 < 0.9) for %s: re-run on a quiet machine or with --full", ", ".join(low))
+        logger.warning(
+            "calibrate: poor fit (R^2 < 0.9) for %s: re-run on a quiet machine or with --full", ", ".join(low)
+        )
     return profile
 
 
@@ -502,13 +351,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="emulate this many nodes locally (no torchrun)")
     parser.add_argument("--procs-per-node", type=int, help="ranks per emulated node (with --nodes)")
     parser.add_argument("--full", action="store_true", help="every power of two from 4 KiB to 256 MiB")
-    parser.add_argument("--sizes", help="comma-separated message sizes in bytes (overrides --full)")
+    parser.add_argument(
+        "--sizes", help="comma-separated message sizes, e.g. 4096,64K,1M (binary units; overrides --full)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per size (default 2)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per size; median (default 5)")
     parser.add_argument("--budget-s", type=float, default=2.0, help="seconds per size and collective (default 2)")
     parser.add_argument("--rails", type=int, help="NICs per node (default: one per rank); 1 on the testbed")
-    parser.add_argument("--algorithm", choices=_ALGORITHMS, default="ring",
-                        help="all-reduce algorithm of the backend, for the fit (default ring: gloo, NCCL rings)")
+    parser.add_argument(
+        "--algorithm",
+        choices=_ALGORITHMS,
+        default="ring",
+        help="all-reduce algorithm of the backend, for the fit (default ring: gloo, NCCL rings)",
+    )
     parser.add_argument("--backend", choices=["nccl", "gloo"], help="under torchrun (default: nccl if CUDA, else gloo)")
     parser.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
     parser.add_argument("--timeout", type=float, default=900.0, help="local mode: kill the ranks after this (s)")
@@ -517,9 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> SweepConfig:
     if args.sizes:
         try:
-            sizes = tuple(int(float(s)) for s in args.sizes.split(",") if s.strip())
+            sizes = tuple(parse_size(s) for s in args.sizes.split(",") if s.strip())
         except ValueError:
-            raise ValueError(f"--sizes must be comma-separated byte counts, got {args.sizes!r}") from None
+            raise ValueError(f"--sizes must be comma-separated byte sizes, got {args.sizes!r}") from None
     else:
         sizes = FULL_SIZES if args.full else QUICK_SIZES
     return SweepConfig(sizes=sizes, warmup=args.warmup, reps=args.reps, budget_s=args.budget_s)
@@ -538,8 +393,14 @@ def run(args: argparse.Namespace) -> int:
         from hiersync._launch import run as launch
 
         node_ids = [r // lpn for r in range(nodes * lpn)]
-        results = launch(_local_rank_body, nodes * lpn, (config,), node_ids=node_ids, timeout=args.timeout,
-                         pg_timeout=min(args.timeout, 300.0))
+        results = launch(
+            _local_rank_body,
+            nodes * lpn,
+            (config,),
+            node_ids=node_ids,
+            timeout=args.timeout,
+            pg_timeout=min(args.timeout, 300.0),
+        )
         _finish(results[0], args, f"local {nodes}x{lpn}, HIERSYNC_NODE_IDS, gloo over loopback")
         return 0
     if not _under_torchrun():

@@ -1,15 +1,18 @@
 """``python -m hiersync collbench``: an nccl-tests-like all-reduce microbenchmark per level.
 
-For each message size it times, on the emulated cluster of :mod:`hiersync.testbed`:
+For each message size it times, on the emulated cluster of :mod:`hiersync.tools.testbed`:
 
 * ``intra``: all-reduce inside every node (all nodes at once), p = ranks per node;
 * ``rail``: all-reduce on every rail at once (local rank r of every node), p = nodes;
-* ``two_level``: hiersync's exact path (reduce-scatter, rail all-reduce, all-gather), p = world;
+* ``two_level``: hiersync's exact path as ``HierComm`` runs it on this backend, p = world:
+  on gloo its ``"allreduce_bcast"`` variant (intra all-reduce, rail all-reduce of this
+  rank's 1/L shard, one intra broadcast per shard), on NCCL ``"rs_ag"`` (reduce-scatter,
+  rail all-reduce, all-gather);
 * ``flat``: one all-reduce over the world (what DDP does by default), p = world;
-* ``two_level_bcast``: a *prototype*, not what hiersync runs: the two-level algorithm with
-  gloo-friendly intra legs (intra all-reduce, rail all-reduce of this rank's 1/L shard,
-  one intra broadcast per shard), because gloo's reduce-scatter and all-gather are several
-  times slower than its all-reduce on CPU. Same inter-node bytes as ``two_level``.
+* ``two_level_bcast``: the ``"allreduce_bcast"`` variant written out with plain
+  ``torch.distributed`` calls, each broadcast waited for before the next (compare with
+  ``two_level`` on gloo to see what ``HierComm`` adds or saves). Same inter-node bytes as
+  ``two_level``.
 
 Like nccl-tests, ``algbw = bytes / time`` and ``busbw = algbw * 2 (p - 1) / p``; the time is
 the slowest rank's mean over ``iters`` after ``warmup`` untimed iterations. In the same
@@ -20,8 +23,8 @@ pushes through its link per direction under the bandwidth-optimal algorithm, and
 
 Example::
 
-    $ sudo python -m hiersync collbench                     # 4 KB..64 MB, ~30 s
-    $ sudo python -m hiersync collbench --full              # 4 KB..256 MB
+    $ sudo python -m hiersync collbench                     # 4 KiB..64 MiB, ~30 s
+    $ sudo python -m hiersync collbench --full              # 4 KiB..256 MiB
     $ python -m hiersync collbench --loopback --sizes 4K,1M
 """
 
@@ -32,34 +35,44 @@ import csv
 import io
 import logging
 import os
-import socket
 import sys
-import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ._io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from hiersync._io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from hiersync.vocab import GiB, KiB, MiB, parse_size
 
-__all__ = ["OPS", "DEFAULT_SIZES", "FULL_SIZES", "parse_sizes", "worker", "busbw_factor", "format_table", "add_arguments", "run"]
+from .linkrate import tcp_throughput
+
+__all__ = [
+    "OPS",
+    "DEFAULT_SIZES",
+    "FULL_SIZES",
+    "parse_sizes",
+    "worker",
+    "busbw_factor",
+    "format_table",
+    "add_arguments",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
 
 OPS = ("intra", "rail", "two_level", "flat", "two_level_bcast")
-KB, MB = 1024, 1024 * 1024
-DEFAULT_SIZES = (4 * KB, 64 * KB, 1 * MB, 16 * MB, 64 * MB)
-FULL_SIZES = tuple(4 * KB * 4**i for i in range(10))  # 4 KB .. 1 GB -> trimmed below
-FULL_SIZES = tuple(s for s in FULL_SIZES if s <= 256 * MB)
+DEFAULT_SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
+FULL_SIZES = tuple(4 * KiB * 4**i for i in range(10))  # 4 KiB .. 1 GB -> trimmed below
+FULL_SIZES = tuple(s for s in FULL_SIZES if s <= 256 * MiB)
 
 
 def parse_sizes(text: str) -> list[int]:
-    """``"4K,64K,1M"`` or a range ``"4K:256M"`` (factor 4) into byte counts (multiples of 4)."""
+    """``"4K,64K,1M"`` or a range ``"4K:256M"`` (factor 4) into byte counts (multiples of 4; K = 1024)."""
+
     def one(tok: str) -> int:
-        tok = tok.strip().upper().rstrip("B")
-        mult = {"K": KB, "M": MB, "G": 1024 * MB}.get(tok[-1:], 1)
-        num = tok[:-1] if tok[-1:] in ("K", "M", "G") else tok
+        tok = tok.strip()
         try:
-            value = int(float(num) * mult)
+            value = parse_size(tok)
         except ValueError:
             raise ValueError(f"size {tok!r} is not a byte count like 4K, 64M or 1048576") from None
         if value < 4 or value % 4:
@@ -98,99 +111,6 @@ def _link_bytes(op: str, nbytes: int, nodes: int, per_node: int) -> float:
 
 
 # ---------------------------------------------------------------------------- worker
-def _tcp_throughput(topo: Any, rank: int, addr: str, nbytes: int) -> dict | None:
-    """Every rank streams ``nbytes`` to its rail peer on the next node while receiving from the previous one."""
-    import torch.distributed as dist
-
-    nodes = topo.num_nodes
-    if nodes < 2:
-        return None
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind((addr, 0))
-    srv.listen(4)
-    srv.settimeout(60)
-    ends: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(ends, (addr, srv.getsockname()[1]))
-    node, local = topo.node_of(rank), topo.local_rank(rank)
-    nxt = topo.nodes[(node + 1) % nodes]
-    peer = nxt[local] if local < len(nxt) else None
-    has_prev = local < len(topo.nodes[(node - 1) % nodes])
-    accepted: list[socket.socket] = []
-
-    def accept() -> None:
-        conn, _ = srv.accept()
-        accepted.append(conn)
-
-    acceptor = threading.Thread(target=accept, daemon=True) if has_prev else None
-    if acceptor is not None:
-        acceptor.start()
-    out = socket.create_connection(ends[peer], timeout=60) if peer is not None else None
-    if acceptor is not None:
-        acceptor.join(60)
-    chunk = memoryview(bytearray(4 * MB))
-    dist.barrier()
-    t0 = time.perf_counter()
-
-    def send() -> None:
-        left = nbytes
-        while left > 0 and out is not None:
-            n = min(left, len(chunk))
-            out.sendall(chunk[:n])
-            left -= n
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    got = 0
-    samples: list[tuple[float, int]] = [(t0, 0)]  # (time, bytes received so far)
-    if accepted:
-        buf = bytearray(4 * MB)
-        conn = accepted[0]
-        while got < nbytes:
-            n = conn.recv_into(buf)
-            if n == 0:
-                break
-            got += n
-            samples.append((time.perf_counter(), got))
-    sender.join(120)
-    for s in [out, srv] + accepted:
-        if s is not None:
-            s.close()
-    results: list[Any] = [None] * topo.world_size
-    # perf_counter is CLOCK_MONOTONIC: one clock for every process on this host.
-    dist.all_gather_object(results, (node, samples if got else None))
-    per_node = [rate for n in range(nodes) if (rate := _sustained_rate([r[1] for r in results if r[0] == n and r[1]]))]
-    return {"bytes_per_stream": nbytes, "streams_per_node": len(topo.nodes[0]), "node_MBps": [x / 1e6 for x in per_node],
-            "MBps": min(per_node) / 1e6 if per_node else None}
-
-
-def _bytes_at(samples: Sequence[tuple[float, int]], t: float) -> float:
-    """Bytes a stream had received at time ``t`` (linear between samples)."""
-    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if t0 <= t <= t1:
-            return b0 + (b1 - b0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
-    return float(samples[-1][1] if t > samples[-1][0] else 0)
-
-
-def _sustained_rate(streams: Sequence[Sequence[tuple[float, int]]]) -> float | None:
-    """Bytes/s into a node while all its streams ran, after each had received a quarter.
-
-    Skipping the first quarter leaves out TCP slow start and the initial burst through
-    tbf's bucket; using only the window in which every stream was still running keeps a
-    stream that finished early from inflating the sum of per-stream rates.
-    """
-    if not streams:
-        return None
-    starts = []
-    for s in streams:
-        quarter = s[-1][1] / 4
-        starts.append(next(t for t, b in s if b >= quarter))
-    lo, hi = max(starts), min(s[-1][0] for s in streams)
-    if hi <= lo:  # the streams barely overlapped: fall back to the whole transfer
-        lo, hi = min(s[0][0] for s in streams), max(s[-1][0] for s in streams)
-        return sum(s[-1][1] for s in streams) / (hi - lo)
-    return sum(_bytes_at(s, hi) - _bytes_at(s, lo) for s in streams) / (hi - lo)
-
-
 def worker(config: dict) -> dict:
     """Time every op at every size on this rank; rank 0's result is the report."""
     import torch
@@ -205,7 +125,7 @@ def worker(config: dict) -> dict:
     groups = topo.build_groups()
     comm = HierComm(groups)
     addr = os.environ.get("HIERSYNC_TESTBED_ADDR", "127.0.0.1")
-    tcp = [_tcp_throughput(topo, rank, addr, int(config["tcp_bytes"]))]
+    tcp = [tcp_throughput(topo, rank, addr, int(config["tcp_bytes"]))]
     L = len(topo.node_ranks(rank))
     N = topo.num_nodes
     sizes_of = {"intra": L, "rail": N, "two_level": world, "flat": world, "two_level_bcast": world}
@@ -223,7 +143,7 @@ def worker(config: dict) -> dict:
                 continue
             x = torch.ones(numel)
 
-            def once() -> None:
+            def once(op: str = op, x: Any = x) -> None:  # bound now: called in this iteration only
                 if op == "two_level":
                     comm.allreduce(x).wait()
                 elif op == "two_level_bcast":
@@ -246,22 +166,29 @@ def worker(config: dict) -> dict:
             sec = float(t)
             algbw = nbytes / sec
             link = _link_bytes(op, nbytes, N, L) / sec if topo.even else None
-            rows.append({
-                "op": op, "bytes": nbytes, "ranks": p, "concurrent": {"intra": N, "rail": L}.get(op, 1),
-                "iters": iters, "time_us": sec * 1e6, "algbw_GBps": algbw / 1e9,
-                "busbw_GBps": algbw * busbw_factor(p) / 1e9,
-                "link_MBps": link / 1e6 if link else None,
-            })
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": nbytes,
+                    "ranks": p,
+                    "concurrent": {"intra": N, "rail": L}.get(op, 1),
+                    "iters": iters,
+                    "time_us": sec * 1e6,
+                    "algbw_GBps": algbw / 1e9,
+                    "busbw_GBps": algbw * busbw_factor(p) / 1e9,
+                    "link_MBps": link / 1e6 if link else None,
+                }
+            )
             if rank == 0 and config.get("progress"):
                 with open(config["progress"], "a") as f:
                     f.write(f"{op} {nbytes}\n")
-    tcp.append(_tcp_throughput(topo, rank, addr, int(config["tcp_bytes"])))
+    tcp.append(tcp_throughput(topo, rank, addr, int(config["tcp_bytes"])))
     return {"rank": rank, "nodes": [list(n) for n in topo.nodes], "tcp": tcp, "rows": rows}
 
 
 # ---------------------------------------------------------------------------- report
 def _human(n: int) -> str:
-    for unit, div in (("G", 1024 * MB), ("M", MB), ("K", KB)):
+    for unit, div in (("G", GiB), ("M", MiB), ("K", KiB)):
         if n >= div and n % div == 0:
             return f"{n // div}{unit}"
     return str(n)
@@ -278,8 +205,18 @@ def format_table(rows: Sequence[dict], tcp_MBps: float | None, markdown: bool = 
     for r in rows:
         link = r["link_MBps"]
         pct = f"{100 * link / tcp_MBps:.0f}%" if link and tcp_MBps else "-"
-        body.append([_human(r["bytes"]), r["op"], str(r["ranks"]), f"{r['time_us']:.0f}", f"{r['algbw_GBps']:.4f}",
-                     f"{r['busbw_GBps']:.4f}", f"{link:.1f}" if link else "-", pct])
+        body.append(
+            [
+                _human(r["bytes"]),
+                r["op"],
+                str(r["ranks"]),
+                f"{r['time_us']:.0f}",
+                f"{r['algbw_GBps']:.4f}",
+                f"{r['busbw_GBps']:.4f}",
+                f"{link:.1f}" if link else "-",
+                pct,
+            ]
+        )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
@@ -358,15 +295,23 @@ def make_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
     if not args.budget_mb > 0 or not args.tcp_mb > 0:
         raise ValueError(f"--budget-mb={args.budget_mb} and --tcp-mb={args.tcp_mb} must be > 0")
-    return {"sizes": sizes, "ops": ops, "warmup": args.warmup, "max_iters": args.max_iters,
-            "budget_bytes": int(args.budget_mb * MB), "tcp_bytes": int(args.tcp_mb * MB)}
+    return {
+        "sizes": sizes,
+        "ops": ops,
+        "warmup": args.warmup,
+        "max_iters": args.max_iters,
+        "budget_bytes": int(args.budget_mb * MiB),
+        "tcp_bytes": int(args.tcp_mb * MiB),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from ._launch import RankFailed
-    from .testbed import TestbedError, run_ranks
+    from hiersync._launch import RankFailed
+
+    from .cluster import run_ranks
+    from .testbed import TestbedError
 
     config = make_config(args)
     bar = None
@@ -393,8 +338,14 @@ def run(args: argparse.Namespace) -> int:
         start = time.monotonic()
         try:
             results, info = run_ranks(
-                "hiersync.collbench:worker", config, nodes=args.nodes, procs_per_node=args.procs_per_node,
-                inter_rate=args.inter_rate, loopback=args.loopback, timeout=args.timeout, poll=poll,
+                "hiersync.tools.collbench:worker",
+                config,
+                nodes=args.nodes,
+                procs_per_node=args.procs_per_node,
+                inter_rate=args.inter_rate,
+                loopback=args.loopback,
+                timeout=args.timeout,
+                poll=poll,
             )
         except (TestbedError, RankFailed, TimeoutError) as e:
             logger.error("collbench failed: %s", e)
@@ -407,9 +358,18 @@ def run(args: argparse.Namespace) -> int:
     rep = results[0]
     tcp = ceiling_MBps(rep["tcp"])
     d = Path(args.results)
-    raw = {"format": "hiersync.collbench/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": wall,
-           "config": config, "testbed": info,
-           "loadavg_1min": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(), "tcp": rep["tcp"], "tcp_ceiling_MBps": tcp, "rows": rep["rows"]}
+    raw = {
+        "format": "hiersync.collbench/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": wall,
+        "config": config,
+        "testbed": info,
+        "loadavg_1min": [load_before, os.getloadavg()[0]],
+        "cpus": os.cpu_count(),
+        "tcp": rep["tcp"],
+        "tcp_ceiling_MBps": tcp,
+        "rows": rep["rows"],
+    }
     paths = [atomic_write_json(d / "collbench.json", raw)]
     buf = io.StringIO()
     if rep["rows"]:
@@ -418,7 +378,16 @@ def run(args: argparse.Namespace) -> int:
         w.writerows(rep["rows"])
     paths.append(atomic_write_text(d / "collbench.csv", buf.getvalue()))
     summary = _summary(rep["rows"], tcp, info)
-    md = ["# hiersync collbench", "", info["describe"], "", format_table(rep["rows"], tcp, markdown=True), "", summary, ""]
+    md = [
+        "# hiersync collbench",
+        "",
+        info["describe"],
+        "",
+        format_table(rep["rows"], tcp, markdown=True),
+        "",
+        summary,
+        "",
+    ]
     paths.append(atomic_write_text(d / "collbench.md", "\n".join(md)))
     if not args.no_plots:
         png = _plot(rep["rows"], tcp, info["describe"])
@@ -441,6 +410,8 @@ def _summary(rows: Sequence[dict], tcp: float | None, info: dict) -> str:
     rail = [r for r in rows if r["op"] == "rail" and r["link_MBps"]]
     if rail:
         best = max(rail, key=lambda r: r["bytes"])
-        line += (f"\nrail all-reduce at {_human(best['bytes'])}: {best['link_MBps']:.1f} MB/s through each link "
-                 f"= {100 * best['link_MBps'] / tcp:.0f}% of raw TCP (target >= 90%)")
+        line += (
+            f"\nrail all-reduce at {_human(best['bytes'])}: {best['link_MBps']:.1f} MB/s through each link "
+            f"= {100 * best['link_MBps'] / tcp:.0f}% of raw TCP (target >= 90%)"
+        )
     return line

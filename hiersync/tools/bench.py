@@ -1,0 +1,355 @@
+"""``python -m hiersync bench``: schedules x bucket sizes, side by side, on an emulated cluster.
+
+Every *schedule* trains the same model with the same data on the same cluster in one run:
+
+============================  ==============================================================
+``ddp``                       DDP's default all-reduce (no hook): the baseline
+``postlocal_k<k>``            PyTorch ``post_localSGD_hook`` (intra-node all-reduce) +
+                              ``PeriodicModelAverager(period=k)`` (world parameter average)
+``bf16_hook``                 PyTorch ``bf16_compress_hook`` (flat all-reduce in bf16)
+``hiersync_p1``               hiersync, period 1 (exact two-level all-reduce every step)
+``hiersync_p<k>[_overlap][_bf16]``  hiersync, period k, optionally overlapped / bf16 deltas
+``intra_only``                intra-node all-reduce only, never across nodes (reference)
+``compute_only``              a hook that communicates nothing (reference: compute floor)
+============================  ==============================================================
+
+Each (model, schedule, bucket size) runs ``warmup`` steps, then ``steps`` *attributed*
+steps with a barrier between phases -- data, forward, backward, communication wait,
+optimizer -- and then ``steps`` *unsynchronized* steps whose wall time is the step time the
+ratios use (overlap only shows there). ``steps`` is rounded up to a multiple of ``k``.
+*Communication wait* is the exposed part: the time ``backward()`` keeps running after the
+slowest rank's last gradient was accumulated, plus the time spent after the optimizer's own
+update (hiersync's post-step sync, the model averager).
+
+The default runs in about two minutes on a 2-core machine: the emulated 2x2 cluster
+(800 Mbit/s between nodes), a 25M-parameter MLP (100 MB of fp32 gradients), 25 MB
+buckets and the schedules the targets name. ``--full`` sweeps everything.
+
+Example::
+
+    $ sudo python -m hiersync bench                       # default comparison, ~2 min
+    $ sudo python -m hiersync bench --full --results results/full
+    $ python -m hiersync bench --loopback --mlp-params 1M --steps 2 --warmup 1
+
+Modules: :mod:`.bench_spec` (schedule names), :mod:`.bench_worker` (what each rank runs),
+:mod:`.report` (tables, targets, plots, files), this one (the sweep and the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hiersync.vocab import parse_count
+
+from .bench_spec import FULL_PERIODS, ScheduleSpec, default_schedules, full_schedules, parse_schedule, timed_steps
+from .report import check_targets, format_table, format_targets, summarize, write_outputs
+
+__all__ = [
+    "ScheduleSpec",
+    "parse_schedule",
+    "default_schedules",
+    "full_schedules",
+    "run_bench",
+    "timed_steps",
+    "summarize",
+    "check_targets",
+    "write_outputs",
+    "format_table",
+    "format_targets",
+    "make_config",
+    "command_line",
+    "add_arguments",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS_MB = (25.0,)
+FULL_BUCKETS_MB = (1.0, 5.0, 25.0, 100.0)
+
+
+# ---------------------------------------------------------------------------- launcher
+class _ProgressFile:
+    """Feeds rank 0's per-step lines into a tqdm bar (or the log when tqdm is missing)."""
+
+    def __init__(self, path: Path, total: int) -> None:
+        self.path = path
+        self.pos = 0
+        self.done = 0
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, unit="step", desc="bench", file=sys.stderr, dynamic_ncols=True, mininterval=0.5
+            )
+        except ImportError:
+            self.bar = None
+        self.total = total
+        self.last_log = 0.0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        lines = chunk.split("\n")
+        complete = lines[:-1]
+        self.pos += sum(len(x) + 1 for x in complete)
+        if not complete:
+            return
+        self.done += len(complete)
+        label = complete[-1].split("\t")[0]
+        if self.bar is not None:
+            self.bar.update(len(complete))
+            self.bar.set_postfix_str(label)
+        elif time.monotonic() - self.last_log > 10:
+            self.last_log = time.monotonic()
+            logger.info("bench: %d/%d steps (%s)", self.done, self.total, label)
+
+    def close(self) -> None:
+        self.poll()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_bench(
+    config: dict,
+    *,
+    nodes: int = 2,
+    procs_per_node: int = 2,
+    inter_rate: str | None = "800mbit",
+    loopback: bool = False,
+    timeout: float = 900.0,
+    progress: bool = True,
+) -> tuple[list[dict], dict]:
+    """Run the sweep described by ``config`` on an emulated cluster; return (rows, raw)."""
+    from .cluster import run_ranks
+
+    specs = [parse_schedule(s) for s in config["schedules"]]
+    total = (
+        sum(int(config["warmup"]) + 2 * timed_steps(s, int(config["steps"])) for s in specs)
+        * len(config["models"])
+        * len(config["buckets_mb"])
+        * int(config.get("repeat", 1))
+    )
+    with tempfile.TemporaryDirectory(prefix="hiersync-bench-") as tmp:
+        prog_path = Path(tmp) / "progress"
+        config = {**config, "progress": str(prog_path)}
+        bar = _ProgressFile(prog_path, total) if progress else None
+        load_before = os.getloadavg()[0]
+        start = time.monotonic()
+        try:
+            results, info = run_ranks(
+                "hiersync.tools.bench_worker:worker",
+                config,
+                nodes=nodes,
+                procs_per_node=procs_per_node,
+                inter_rate=inter_rate,
+                loopback=loopback,
+                timeout=timeout,
+                poll=bar.poll if bar else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.monotonic() - start
+    rows = summarize(results)
+    raw = {
+        "format": "hiersync.bench/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": wall,
+        "config": {k: v for k, v in config.items() if k != "progress"},
+        "testbed": info,
+        # On a shared machine other jobs steal cores from the ranks: say how busy it was.
+        "environment": {**_environment(), "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]},
+        "ranks": results,
+    }
+    return rows, raw
+
+
+def _environment() -> dict:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "hostname": platform.node(),
+    }
+
+
+def make_config(args: argparse.Namespace) -> dict:
+    """The worker's configuration from the command line (validated here, not in the ranks)."""
+    if args.schedules:
+        schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    elif args.full:
+        schedules = full_schedules(args.periods or FULL_PERIODS)
+    else:
+        schedules = default_schedules()
+    for s in schedules:
+        parse_schedule(s)
+    if args.buckets:
+        buckets = [float(b) for b in args.buckets.split(",")]
+    else:
+        buckets = list(FULL_BUCKETS_MB if args.full else DEFAULT_BUCKETS_MB)
+    if any(not b > 0 for b in buckets):
+        raise ValueError(f"--buckets={args.buckets!r}: bucket sizes must be > 0 MB")
+    models = [m.strip() for m in (args.models or ("mlp,transformer" if args.full else "mlp")).split(",")]
+    for m in models:
+        if m not in ("mlp", "transformer"):
+            raise ValueError(f"--models: model {m!r} is not known; use mlp and/or transformer")
+    try:
+        params = parse_count(args.mlp_params)
+    except ValueError:
+        raise ValueError(f"--mlp-params={args.mlp_params!r} is not a number like 25M, 500k or 300000") from None
+    if params < 64:
+        raise ValueError(f"--mlp-params={args.mlp_params!r} is too small (>= 64 parameters)")
+    for name in ("steps", "batch_size", "mlp_depth", "repeat"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 1:
+        raise ValueError(f"--warmup={args.warmup} must be >= 1 (DDP rebuilds its buckets after the first step)")
+    return {
+        "models": models,
+        "schedules": schedules,
+        "buckets_mb": buckets,
+        "mlp_params": params,
+        "mlp_depth": args.mlp_depth,
+        "batch_size": args.batch_size,
+        "transformer": {
+            "vocab": 2048,
+            "dim": args.transformer_dim,
+            "heads": 4,
+            "layers": args.transformer_layers,
+            "seq": 64,
+            "batch": 8,
+        },
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "lr": 1e-3,
+        "seed": args.seed,
+        "hiersync_options": {"nonfinite": args.nonfinite},
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sweep")
+    g.add_argument(
+        "--full",
+        action="store_true",
+        help="everything: mlp+transformer, buckets 1,5,25,100 MB, k in 2,4,8 with/without overlap and bf16",
+    )
+    g.add_argument("--schedules", default=None, help="comma-separated schedule names (see module doc)")
+    g.add_argument(
+        "--periods",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="periods k for --full (default 2,4,8)",
+    )
+    g.add_argument("--buckets", default=None, help="comma-separated DDP bucket sizes in MB (default 25)")
+    g.add_argument("--models", default=None, help="mlp and/or transformer (default mlp; --full: both)")
+    g.add_argument("--mlp-params", default="25M", help="MLP size in parameters (25M = 100 MB of fp32 gradients)")
+    g.add_argument("--mlp-depth", type=int, default=4, help="MLP layers")
+    g.add_argument("--batch-size", type=int, default=16, help="MLP batch per rank")
+    g.add_argument("--transformer-dim", type=int, default=256)
+    g.add_argument("--transformer-layers", type=int, default=4)
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="timed steps per pass, rounded up to a multiple of k (so period-4 schedules time 4)",
+    )
+    g.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps first (DDP rebuilds its buckets after the first)"
+    )
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="go round the whole sweep this many times and report medians (noisy machines)",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--nonfinite",
+        choices=("skip", "raise", "ignore"),
+        default="skip",
+        help="HierState(nonfinite=...) of the hiersync schedules (default: hiersync's default, skip)",
+    )
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=2)
+    c.add_argument("--procs-per-node", type=int, default=2)
+    c.add_argument("--inter-rate", default="800mbit", help="tc rate of each node's egress")
+    c.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback, links not shaped")
+    c.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
+    o = parser.add_argument_group("output")
+    o.add_argument("--results", default="results/bench", help="folder for bench.json/.csv/.md and the plots")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """``python -m hiersync bench`` plus the options that differ from their defaults."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    parts = ["python -m hiersync bench"]
+    for dest, value in vars(args).items():
+        if dest in defaults and value != defaults[dest]:
+            flag = "--" + dest.replace("_", "-")  # every option is spelled after its dest
+            if value is True:
+                parts.append(flag)
+            elif isinstance(value, list):
+                parts.append(f"{flag} {','.join(map(str, value))}")
+            else:
+                parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = make_config(args)
+    from hiersync._launch import RankFailed
+
+    from .testbed import TestbedError
+
+    timeout = args.timeout or (7200.0 if args.full else 900.0) * args.repeat
+    try:
+        rows, raw = run_bench(
+            config,
+            nodes=args.nodes,
+            procs_per_node=args.procs_per_node,
+            inter_rate=args.inter_rate,
+            loopback=args.loopback,
+            timeout=timeout,
+            progress=not args.no_progress,
+        )
+    except (TestbedError, RankFailed, TimeoutError) as e:
+        logger.error("bench failed: %s", e)
+        return 1
+    raw["command"] = command_line(args)
+    paths = write_outputs(args.results, raw, rows, plots=not args.no_plots)
+    targets = check_targets(rows)
+    # The CLI's final output: the comparison table.
+    env = raw["environment"]
+    print(
+        f"hiersync bench on {raw['testbed']['describe']} ({raw['wall_s']:.0f} s, "
+        f"load average {env['loadavg_1min_before']:.1f} -> {env['loadavg_1min_after']:.1f} on {env['cpus']} cores)"
+    )
+    print("step s: unsynchronized step time (slowest rank); data..opt: attributed with barriers between phases\n")
+    print(format_table(rows))
+    if targets:
+        print(format_targets(targets))
+        if raw["testbed"]["mode"] != "netns":
+            print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")
+    print(f"\nwrote {', '.join(str(p) for p in paths)}")
+    return 0

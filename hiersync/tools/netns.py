@@ -1,0 +1,187 @@
+"""Linux plumbing of the emulated cluster: tc rates, network namespaces, process trees, signals.
+
+What :class:`hiersync.tools.testbed.Testbed` builds on: ``ip``/``tc`` calls with a time
+limit, the namespaces a testbed left behind, the descendants of a process (from /proc),
+and signals turned into ``KeyboardInterrupt`` so every cleanup runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "NS_PREFIX",
+    "IP_TIMEOUT_S",
+    "parse_rate",
+    "run_ip",
+    "emulation_available",
+    "pid_alive",
+    "namespaces",
+    "ns_pids",
+    "stale_namespaces",
+    "children_map",
+    "descendants",
+    "kill",
+    "signals_raise",
+    "tail",
+]
+
+NS_PREFIX = "hiersync-"
+"""Every namespace a testbed creates is called ``hiersync-<pid>-<n>-<node|sw>``."""
+IP_TIMEOUT_S = 20.0
+"""Limit of one ``ip``/``tc`` call (a wedged netlink socket must not hang the testbed)."""
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$", re.IGNORECASE)
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+    "tbps": 8e12,
+}  # tc's units: "bps" is bytes per second
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a tc rate string such as ``"800mbit"`` (tc's ``bps`` is bytes/s)."""
+    m = _RATE_RE.match(str(rate).strip())
+    if not m:
+        raise ValueError(f"inter_rate={rate!r} is not a tc rate; use e.g. '800mbit', '10gbit' or '100mbps' (bytes/s)")
+    value = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"inter_rate={rate!r} must be > 0")
+    return value
+
+
+def run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an ``ip``/``tc`` command with a time limit; ``RuntimeError`` with its stderr when ``check`` and it fails."""
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def emulation_available() -> tuple[bool, str]:
+    """Whether namespaces can be built here, and if not, why (root and iproute2 needed)."""
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces need Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return False, "creating network namespaces needs root (run with sudo)"
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return False, f"iproute2 is not installed ({', '.join(missing)} not found)"
+    return True, ""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespaces() -> list[str]:
+    """Names of every network namespace (``ip netns list``)."""
+    proc = run_ip(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def ns_pids(ns: str) -> list[int]:
+    """Pids of the processes running in namespace ``ns``."""
+    proc = run_ip(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+
+def stale_namespaces() -> list[str]:
+    """Testbed namespaces whose creating process is gone (left by a ``kill -9``)."""
+    out = []
+    for ns in namespaces():
+        m = re.match(rf"^{re.escape(NS_PREFIX)}(\d+)-", ns)
+        if m and not pid_alive(int(m.group(1))):
+            out.append(ns)
+    return out
+
+
+def children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids of every process (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (from /proc; empty where there is no /proc)."""
+    if not os.path.isdir("/proc"):
+        return []
+    children = children_map()
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill(pids: Sequence[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``, ignoring those already gone."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so every ``finally`` cleanup runs.
+
+    SIGINT is included explicitly: a process started from a non-interactive shell's
+    background job inherits SIGINT as *ignored*, and Python then installs no handler, so
+    Ctrl-C (or ``kill -INT``) would leave the job and its namespaces running.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ("" when there is none)."""
+    if path is None or not path.exists():
+        return ""
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
