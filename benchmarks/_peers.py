@@ -101,9 +101,7 @@ def hook_ns() -> list[int]:
 def teardown() -> None:
     state = _STATE.get("state")
     if state is not None:
-        for g in (state.groups.intra, state.groups.intra_late, state.groups.rail):
-            if g is not None:
-                dist.destroy_process_group(g)
+        state.close()
     _STATE.clear()
 
 

@@ -22,13 +22,13 @@ from .stats import Stats
 from .topology import Topology
 
 if TYPE_CHECKING:
-    from .collectives import HierSyncError
-    from .ddp_hook import HierState, hook, register
+    from .ddp import HierState, hook, register
+    from .futures import HierSyncError
 
 __all__ = ["HierState", "hook", "register", "Topology", "Schedule", "Stats", "HierSyncError"]
 __version__ = "0.1.0"
 
-_LAZY = {"HierState": "ddp_hook", "hook": "ddp_hook", "register": "ddp_hook", "HierSyncError": "collectives"}
+_LAZY = {"HierState": "ddp", "hook": "ddp", "register": "ddp", "HierSyncError": "futures"}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,10 +5,36 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_write_json", "atomic_save"]
+
+
+def _read_umask() -> int:
+    """The process umask without changing it (``os.umask`` can only read by setting).
+
+    Linux reports it in /proc/self/status; elsewhere it is read once, at import, when no
+    other thread of this library can be writing files yet.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return _UMASK_AT_IMPORT
+
+
+def _umask_at_import() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
 
 
 def atomic_save(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
@@ -27,9 +53,7 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         # mkstemp creates 0600; give the file the mode a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_read_umask())
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -29,135 +29,70 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from .stats import INTER, INTRA, Stats
+from .futures import (
+    Future,
+    HierSyncError,
+    after,
+    completed,
+    forward,
+    new_future,
+    on_side_stream,
+    span,
+    wait,
+    when_all,
+    wrap,
+)
+from .stats import Stats
 from .topology import Groups
+from .vocab import IntraAlgorithm, Level, default_intra_algorithm
+
+INTRA, INTER = Level.INTRA, Level.INTER
 
 __all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait", "INTRA_ALGORITHMS"]
 
-INTRA_ALGORITHMS = ("rs_ag", "allreduce_bcast")
-
-
-class HierSyncError(RuntimeError):
-    """A hiersync collective failed (peer died, timeout, ...). The message names the phase."""
-
-
-def _new_future(device: torch.device) -> torch.futures.Future:
-    # A CUDA future records events on the current streams when its value is set, so the
-    # consumer (DDP) waits on the right streams; a CPU future needs no devices.
-    if device.type == "cuda":
-        return torch.futures.Future(devices=[device])
-    return torch.futures.Future()
-
-
-def completed(value, device: torch.device | None = None) -> torch.futures.Future:
-    """A future that is already done with ``value``."""
-    fut = _new_future(device or torch.device("cpu"))
-    fut.set_result(value)
-    return fut
-
-
-def _forward(src: torch.futures.Future, dst: torch.futures.Future, phase: str) -> None:
-    try:
-        dst.set_result(src.value())
-    except Exception as e:  # noqa: BLE001 - re-raised in the consumer with context
-        dst.set_exception(_wrap(e, phase))
-
-
-def _after(fut: torch.futures.Future, value: Callable[[], object]) -> torch.futures.Future:
-    """``fut.then(...)`` returning ``value()``, but re-raising ``fut``'s error first.
-
-    A ``then`` callback runs even when its parent failed; one that ignores its argument
-    would turn a failed collective into a silently wrong result.
-    """
-
-    def cb(f: torch.futures.Future) -> object:
-        f.value()
-        return value()
-
-    return fut.then(cb)
-
-
-def wait(fut: torch.futures.Future):
-    """``fut.wait()``, raising a failed hiersync collective as :class:`HierSyncError`.
-
-    torch re-wraps an error raised in a ``then`` callback into a plain ``RuntimeError``
-    whose text contains the original; this recovers the hiersync message and type.
-    """
-    try:
-        return fut.wait()
-    except HierSyncError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        text = str(e)
-        marker = "HierSyncError: "
-        if marker in text:
-            raise HierSyncError(text[text.index(marker) + len(marker) :]) from e
-        raise
-
-
-def _span(name: str, fut: torch.futures.Future) -> torch.futures.Future:
-    """Show ``name`` in profiler traces from now until ``fut`` completes.
-
-    Later legs are launched from backend threads that the profiler does not record, so each
-    leg's range is opened here, on the calling thread, and closed by the future: the trace
-    shows how long every phase really took. Free when no profiler is running.
-    """
-    if not torch.autograd._profiler_enabled():
-        return fut
-    with record_function(name) as rf:
-        return rf._call_end_callbacks_on_future(fut)
-
-
-def _wrap(e: BaseException, phase: str) -> BaseException:
-    if isinstance(e, HierSyncError):
-        return e
-    err = HierSyncError(f"hiersync {phase} failed: {type(e).__name__}: {e}")
-    err.__cause__ = e
-    return err
+INTRA_ALGORITHMS = tuple(a.value for a in IntraAlgorithm)
 
 
 class Sequencer:
     """Issue collectives on one group in submission order, whatever order inputs complete in.
 
     ``submit(ready, launch)`` calls ``launch()`` once ``ready`` is done *and* every earlier
-    submission has been launched. ``launch`` issues one async collective and returns its
-    future; ``submit`` returns a future of that collective's result.
+    submission has been launched (or has failed: a failed submission is marked issued only
+    after every earlier one, so the order of the rest never changes). ``launch`` issues one
+    async collective and returns its future; ``submit`` returns a device future of that
+    collective's result. ``launch`` runs on hiersync's side stream after that stream has
+    waited on ``ready`` (docs/design.md, "CUDA streams").
     """
 
     def __init__(self) -> None:
-        self._tail: torch.futures.Future = completed(None)
+        self._tail: Future = completed(None)
         self._lock = threading.Lock()
 
-    def submit(
-        self,
-        ready: torch.futures.Future,
-        launch: Callable[[], torch.futures.Future],
-        device: torch.device,
-        phase: str,
-    ) -> torch.futures.Future:
-        out = _new_future(device)
-        issued: torch.futures.Future = torch.futures.Future()
+    def submit(self, ready: Future, launch: Callable[[], Future], device: torch.device, phase: str) -> Future:
+        out = new_future(device)
+        issued: Future = Future()
         with self._lock:
             prev, self._tail = self._tail, issued
 
-        def go(_: torch.futures.Future) -> None:
+        def go(_: Future) -> None:
             try:
-                ready.value()  # re-raise the upstream failure, if any
-                work = launch()
-            except Exception as e:  # noqa: BLE001
+                with on_side_stream(device):
+                    wait(ready)  # re-raise the upstream failure; on CUDA the side stream waits
+                    work = launch()
+            except Exception as e:
                 issued.set_result(None)
-                out.set_exception(_wrap(e, phase))
+                out.set_exception(wrap(e, phase))
                 return
             issued.set_result(None)
-            work.add_done_callback(lambda w: _forward(w, out, phase))
+            work.add_done_callback(lambda w: forward(w, out, phase))
 
-        torch.futures.collect_all([prev, ready]).add_done_callback(go)
+        # Both must be done: ``ready`` may fail while ``prev`` is still being issued.
+        prev.add_done_callback(lambda _: ready.add_done_callback(go))
         return out
 
 
@@ -192,7 +127,7 @@ class _Waiter:
             work, value, fut = self._queue.get()
             try:
                 work.wait()
-            except Exception as e:  # noqa: BLE001 - delivered to the consumer
+            except Exception as e:
                 fut.set_exception(e)
             else:
                 fut.set_result(value)
@@ -233,16 +168,14 @@ class HierComm:
         self.world_size = self.topology.world_size
         self._seq_rail = Sequencer()
         self._seq_late = Sequencer()
-        # How the node reduces and gathers around the rail leg. On NCCL: reduce-scatter and
-        # all-gather (bandwidth-optimal). On gloo (CPU) those two are slow: measured for 64 MB
-        # inside a node, all-reduce 81-85 ms, reduce-scatter 145-192 ms, all-gather 122-137 ms,
-        # a broadcast of a 1/2 shard 17-19 ms (docs/benchmarks.md), so gloo reduces with an
-        # all-reduce and gathers with one broadcast per shard. The rail leg is the same.
+        # rs_ag on NCCL; allreduce_bcast on gloo, whose RS/AG are slow (vocab.default_intra_algorithm).
         if intra_algorithm is None:
             backend = str(dist.get_backend(groups.intra)) if groups.intra is not None else "gloo"
-            intra_algorithm = "allreduce_bcast" if backend == "gloo" else "rs_ag"
+            intra_algorithm = default_intra_algorithm(backend)
         if intra_algorithm not in INTRA_ALGORITHMS:
-            raise ValueError(f"intra_algorithm={intra_algorithm!r} is not supported; use one of {list(INTRA_ALGORITHMS)}")
+            raise ValueError(
+                f"intra_algorithm={intra_algorithm!r} is not supported; use one of {list(INTRA_ALGORITHMS)}"
+            )
         self.intra_algorithm = intra_algorithm
 
     # ------------------------------------------------------------- helpers
@@ -257,8 +190,8 @@ class HierComm:
 
     @staticmethod
     def _chain(fut: torch.futures.Future, phase: str, device: torch.device) -> torch.futures.Future:
-        out = _new_future(device)
-        fut.add_done_callback(lambda f: _forward(f, out, phase))
+        out = new_future(device)
+        fut.add_done_callback(lambda f: forward(f, out, phase))
         return out
 
     # ------------------------------------------------------------- exact (period 1)
@@ -285,10 +218,10 @@ class HierComm:
         self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
             fut = _async(dist.all_reduce(tensor, group=group, async_op=True))
-        except Exception as e:  # noqa: BLE001
-            raise _wrap(e, self._phase(what)) from e
-        fut = self._chain(fut.then(lambda f: f.value()[0]), self._phase(what), tensor.device)
-        return _span(f"hiersync/{level}_allreduce", fut)
+        except Exception as e:
+            raise wrap(e, self._phase(what)) from e
+        fut = self._chain(fut.then(lambda f: wait(f)[0]), self._phase(what), tensor.device)
+        return span(f"hiersync/{level}_allreduce", fut)
 
     def _allreduce_two_level(self, tensor: torch.Tensor, L: int) -> torch.futures.Future:
         g = self.groups
@@ -307,28 +240,28 @@ class HierComm:
             shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
             phase = self._phase("intra reduce-scatter")
             self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
-            launch = lambda: _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)  # noqa: E731
-            span = "hiersync/intra_reduce_scatter"
+            launch = lambda: _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
+            span_name = "hiersync/intra_reduce_scatter"
         else:
             shard = flat[lo : lo + shard_len]  # reduced in place by the node-wide all-reduce
             phase = self._phase("intra all-reduce")
             self.stats.record(INTRA, "all_reduce", L, flat.numel() * esize)
-            launch = lambda: _async(dist.all_reduce(flat, group=g.intra, async_op=True))  # noqa: E731
-            span = "hiersync/intra_allreduce"
+            launch = lambda: _async(dist.all_reduce(flat, group=g.intra, async_op=True))
+            span_name = "hiersync/intra_allreduce"
         try:
             first = launch()
-        except Exception as e:  # noqa: BLE001
-            raise _wrap(e, phase) from e
-        first = _span(span, self._chain(first, phase, tensor.device))
+        except Exception as e:
+            raise wrap(e, phase) from e
+        first = span(span_name, self._chain(first, phase, tensor.device))
 
         def rail_leg() -> torch.futures.Future:
             return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
 
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
-        ar = _span("hiersync/inter_allreduce", ar)
+        ar = span("hiersync/inter_allreduce", ar)
         done = self._gather_shards(flat, shard, shard_len, ar, "all-gather")
-        return _after(done, lambda: flat if flat is tensor else flat[:n])
+        return after(done, lambda: flat if flat is tensor else flat[:n])
 
     def _gather_shards(
         self, padded: torch.Tensor, shard: torch.Tensor, shard_len: int, ready: torch.futures.Future, what: str
@@ -347,7 +280,7 @@ class HierComm:
             def launch() -> torch.futures.Future:
                 return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
 
-            span = "hiersync/intra_all_gather"
+            span_name = "hiersync/intra_all_gather"
         else:
             node = self.topology.node_ranks(g.rank)
             for _ in range(L):
@@ -357,15 +290,18 @@ class HierComm:
                 if shard.data_ptr() != padded[lo:].data_ptr():
                     padded[lo : lo + shard_len].copy_(shard)
                 futs = [
-                    _async(dist.broadcast(padded[r * shard_len : (r + 1) * shard_len], src=node[r],
-                                          group=g.intra_late, async_op=True))
+                    _async(
+                        dist.broadcast(
+                            padded[r * shard_len : (r + 1) * shard_len], src=node[r], group=g.intra_late, async_op=True
+                        )
+                    )
                     for r in range(L)
                 ]
-                return _after(torch.futures.collect_all(futs), lambda: [f.value() for f in futs])
+                return when_all(futs, padded.device, self._phase(f"intra {what}"))
 
-            span = "hiersync/intra_broadcast_shards"
+            span_name = "hiersync/intra_broadcast_shards"
         fut = self._seq_late.submit(ready, launch, padded.device, self._phase(f"intra {what}"))
-        return _span(span, fut)
+        return span(span_name, fut)
 
     def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -380,26 +316,28 @@ class HierComm:
             self.stats.record(INTRA, "reduce", L, nbytes)
             try:
                 red = _async(dist.reduce(tensor, dst=leader, group=g.intra, async_op=True))
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, phase) from e
-            red = _span("hiersync/intra_reduce", self._chain(red, phase, tensor.device))
+            except Exception as e:
+                raise wrap(e, phase) from e
+            red = span("hiersync/intra_reduce", self._chain(red, phase, tensor.device))
         else:
             red = completed(None, tensor.device)
         if g.is_leader and topo.num_nodes > 1:
+
             def leaders_leg() -> torch.futures.Future:
                 return _async(dist.all_reduce(tensor, group=g.rail, async_op=True))
 
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
-            red = _span("hiersync/inter_allreduce", red)
+            red = span("hiersync/inter_allreduce", red)
         if L > 1:
+
             def bcast_leg() -> torch.futures.Future:
                 return _async(dist.broadcast(tensor, src=leader, group=g.intra_late, async_op=True))
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
-            red = _span("hiersync/intra_broadcast", red)
-        return _after(red, lambda: tensor)
+            red = span("hiersync/intra_broadcast", red)
+        return after(red, lambda: tensor)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` with one all-reduce over the world (what DDP's default does)."""
@@ -450,15 +388,15 @@ class HierComm:
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         try:
             ar = _async(dist.all_reduce(shard, group=g.rail, async_op=True))
-        except Exception as e:  # noqa: BLE001
-            raise _wrap(e, phase) from e
-        ar = _span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
+        except Exception as e:
+            raise wrap(e, phase) from e
+        ar = span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
         if L == 1:
-            return _after(ar, lambda: flat.copy_(shard))
+            return after(ar, lambda: flat.copy_(shard))
         done = self._gather_shards(padded, shard, shard_len, ar, "parameter gather")
         if padded is flat:
-            return _after(done, lambda: flat)
-        return _after(done, lambda: flat.copy_(padded[:n]))
+            return after(done, lambda: flat)
+        return after(done, lambda: flat.copy_(padded[:n]))
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -473,14 +411,15 @@ class HierComm:
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             try:
                 ready = self._chain(_async(dist.all_reduce(flat, group=g.rail, async_op=True)), phase, flat.device)
-            except Exception as e:  # noqa: BLE001
-                raise _wrap(e, phase) from e
-            ready = _span("hiersync/inter_param_allreduce", ready)
+            except Exception as e:
+                raise wrap(e, phase) from e
+            ready = span("hiersync/inter_param_allreduce", ready)
         if L > 1:
+
             def bcast_leg() -> torch.futures.Future:
                 return _async(dist.broadcast(flat, src=node[0], group=g.intra_late, async_op=True))
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
-            ready = _span("hiersync/intra_param_broadcast", ready)
-        return _after(ready, lambda: flat)
+            ready = span("hiersync/intra_param_broadcast", ready)
+        return after(ready, lambda: flat)

@@ -26,20 +26,22 @@ Example::
 
     >>> avg = ParamAverager(comm, compress=torch.bfloat16)
     >>> avg.register(list(model.parameters())); avg.capture_anchor(avg.params)
-    >>> avg.launch(avg.params).wait()       # every rank now holds the same parameters
+    >>> launched = avg.launch(avg.params)
+    >>> avg.write(launched.indices, avg.complete(launched))   # every rank: the same parameters
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from .collectives import HierComm, wait
+from .collectives import HierComm
+from .futures import wait
 
-__all__ = ["ParamAverager", "Pending", "chunk_by_bytes"]
+__all__ = ["ParamAverager", "Launched", "Pending", "chunk_by_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +66,34 @@ def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
 
 
 @dataclass
+class Launched:
+    """A cross-node average in flight: ``future`` holds the averaged payload.
+
+    Read it only with :meth:`ParamAverager.complete`, on the stream that uses the result.
+    """
+
+    indices: list[int]
+    future: torch.futures.Future
+    anchor: torch.Tensor | None
+
+
+@dataclass
 class Pending:
-    """An overlapped sync in flight (or finished): ``params`` get ``target - snapshot`` added."""
+    """An overlapped (or deferred) sync: the parameters get ``target - snapshot`` added later."""
 
     indices: list[int]
     snapshot: torch.Tensor | None
-    future: torch.futures.Future | None
+    launched: Launched | None
     correction: torch.Tensor | None = None
 
-    def resolve(self) -> torch.Tensor:
+    def resolve(self, averager: ParamAverager) -> torch.Tensor:
         """Wait for the transfer and return the fp32 correction to add to the parameters."""
         if self.correction is None:
-            assert self.future is not None and self.snapshot is not None
-            target = wait(self.future)
+            assert self.launched is not None and self.snapshot is not None
+            target = averager.complete(self.launched)
             self.correction = target.sub_(self.snapshot)
             self.snapshot = None
-            self.future = None
+            self.launched = None
         return self.correction
 
 
@@ -157,14 +171,14 @@ class ParamAverager:
             )
         return torch.cat([self.anchor[i].reshape(-1) for i in indices])
 
-    def launch(self, params: Sequence[torch.Tensor], x: torch.Tensor | None = None) -> torch.futures.Future:
-        """Start averaging ``params`` across nodes; the future's value is the fp32 target.
+    def launch(self, params: Sequence[torch.Tensor], x: torch.Tensor | None = None) -> Launched:
+        """Start averaging ``params`` across nodes; :meth:`complete` gives the fp32 target.
 
         The target is the new value every rank will hold: the plain average, or the outer
-        optimizer's step from the anchor. Anchor and momentum are updated when the transfer
-        completes. Nothing is written to the parameters: see :meth:`write`. ``x``: the
-        parameters as :meth:`flat` returns them, if the caller has them already (it is
-        left unchanged; the transfer then needs no second flattening copy when compressed).
+        optimizer's step from the anchor. Nothing is written to the parameters: see
+        :meth:`write`. ``x``: the parameters as :meth:`flat` returns them, if the caller
+        has them already (it is left unchanged; the transfer then needs no second
+        flattening copy when compressed).
         """
         indices = self.register(params)
         owned = x is None
@@ -176,10 +190,16 @@ class ParamAverager:
         else:
             anchor = self._flat_anchor(indices)
             payload = (x - anchor).to(self.compress)
-        fut = self.comm.average_across_nodes(payload)
-        return fut.then(lambda f: self._finish(indices, f.value(), anchor))
+        return Launched(indices, self.comm.average_across_nodes(payload), anchor)
 
-    def _finish(self, indices: list[int], avg: torch.Tensor, anchor: torch.Tensor | None) -> torch.Tensor:
+    def complete(self, launched: Launched) -> torch.Tensor:
+        """Wait for ``launched`` and return its fp32 target; update anchor and momentum.
+
+        Runs on the caller's thread and stream (never in a future's callback), so the
+        anchor and momentum it keeps are allocated on the stream that later reads them.
+        """
+        avg = wait(launched.future)
+        indices, anchor = launched.indices, launched.anchor
         if self.compress is not None:
             assert anchor is not None
             avg = anchor + avg.float()
@@ -202,7 +222,9 @@ class ParamAverager:
         parts = []
         for i in indices:
             m = self.momentum.get(i)
-            parts.append(m.reshape(-1) if m is not None else torch.zeros(self.params[i].numel(), device=self.params[i].device))
+            parts.append(
+                m.reshape(-1) if m is not None else torch.zeros(self.params[i].numel(), device=self.params[i].device)
+            )
         return torch.cat(parts)
 
     def _scatter(self, store: dict[int, torch.Tensor], indices: list[int], flat: torch.Tensor) -> None:

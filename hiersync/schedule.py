@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .vocab import StepKind
+
 __all__ = ["Schedule", "EXACT", "LOCAL", "SYNC"]
 
-EXACT = "exact"
-LOCAL = "local"
-SYNC = "sync"
+EXACT, LOCAL, SYNC = StepKind.EXACT, StepKind.LOCAL, StepKind.SYNC
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Schedule:
         """Whether ``step`` is a (post-warmup, period > 1) inter-node parameter sync step."""
         return not self.is_exact(step) and (step - self.warmup_steps + 1) % self.period == 0
 
-    def kind(self, step: int) -> str:
+    def kind(self, step: int) -> StepKind:
         """``"exact"``, ``"sync"`` or ``"local"``."""
         if self.is_exact(step):
             return EXACT

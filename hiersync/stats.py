@@ -22,10 +22,12 @@ import collections
 import threading
 from dataclasses import dataclass, field
 
+from .vocab import Level, StepKind
+
 __all__ = ["Stats", "INTRA", "INTER", "collective_bytes"]
 
-INTRA = "intra"
-INTER = "inter"
+INTRA: str = Level.INTRA.value
+INTER: str = Level.INTER.value
 
 _FACTORS = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "reduce": 1.0, "broadcast": 1.0}
 
@@ -65,7 +67,30 @@ class Stats:
             self.collectives[level] += 1
             self.bytes_sent[level] += collective_bytes(kind, group_size, nbytes)
 
+    def count_step(self, kind: str, step: int) -> None:
+        """One synchronized backward of ``kind`` (a :class:`~hiersync.vocab.StepKind`) at ``step``."""
+        with self._lock:
+            self.steps += 1
+            if kind == StepKind.EXACT:
+                self.exact_steps += 1
+            elif kind == StepKind.LOCAL:
+                self.local_steps += 1
+            else:
+                self.sync_steps += 1
+                self.recent_sync_steps.append(step)
+
+    def count_skip(self, kind: str) -> None:
+        """This rank skipped the update of a step of ``kind`` (non-finite gradient)."""
+        with self._lock:
+            self.nonfinite_skips += 1
+            if kind == StepKind.SYNC:
+                self.nonfinite_sync_skips += 1
+
     def as_dict(self) -> dict:
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict:
         return {
             "steps": self.steps,
             "exact_steps": self.exact_steps,
@@ -81,5 +106,5 @@ class Stats:
     def reset(self) -> None:
         fresh = Stats()
         with self._lock:
-            for name in self.as_dict():
+            for name in self._snapshot():
                 setattr(self, name, getattr(fresh, name))

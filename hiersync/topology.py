@@ -28,20 +28,46 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "parse_node_ids"]
+__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "parse_node_ids", "world_timeout"]
 
 logger = logging.getLogger(__name__)
 
 ENV_NODE_IDS = "HIERSYNC_NODE_IDS"
+
+
+def world_timeout(process_group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The timeout the job gave its world process group (``init_process_group(timeout=...)``).
+
+    ``new_group`` would otherwise default to torch's own (30 min on gloo, 10 min on NCCL),
+    whatever the job asked for. Read from the group's backend options (gloo and NCCL both
+    keep it as ``options._timeout``; a CUDA group's NCCL backend first, then its CPU one);
+    ``None`` where the backend does not expose it (then torch's default applies).
+    """
+    import torch
+    import torch.distributed as dist
+
+    pg = process_group if process_group is not None else dist.group.WORLD
+    if pg is None:
+        return None
+    for device in ("cuda", "cpu"):
+        try:
+            timeout = pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return None
 
 
 def parse_node_ids(text: str, world_size: int | None = None) -> list[int]:
@@ -78,9 +104,7 @@ class Topology:
         if not self.nodes or any(len(n) == 0 for n in self.nodes):
             raise ValueError(f"every node needs at least one rank, got nodes={self.nodes!r}")
         if ranks != list(range(len(ranks))):
-            raise ValueError(
-                f"nodes={self.nodes!r} must cover global ranks 0..{len(ranks) - 1} exactly once each"
-            )
+            raise ValueError(f"nodes={self.nodes!r} must cover global ranks 0..{len(ranks) - 1} exactly once each")
         node_of = [0] * len(ranks)
         local = [0] * len(ranks)
         for n, members in enumerate(self.nodes):
@@ -92,7 +116,7 @@ class Topology:
 
     # ----------------------------------------------------------------- builders
     @classmethod
-    def from_node_ids(cls, node_ids: Sequence[int]) -> "Topology":
+    def from_node_ids(cls, node_ids: Sequence[int]) -> Topology:
         """Build from one node id per global rank, e.g. ``[0, 0, 1, 1]``.
 
         Node ids are arbitrary hashable integers; nodes are renumbered by their lowest rank.
@@ -111,13 +135,13 @@ class Topology:
         return cls(nodes=tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: g[0])))
 
     @classmethod
-    def from_keys(cls, keys: Sequence[object]) -> "Topology":
+    def from_keys(cls, keys: Sequence[object]) -> Topology:
         """Build from one host key per global rank (ranks with equal keys share a node)."""
         ids: dict[object, int] = {}
         return cls.from_node_ids([ids.setdefault(k, len(ids)) for k in keys])
 
     @classmethod
-    def detect(cls, process_group: "dist.ProcessGroup | None" = None) -> "Topology":
+    def detect(cls, process_group: dist.ProcessGroup | None = None) -> Topology:
         """Detect the topology of ``process_group`` (default: the world). Collective.
 
         ``HIERSYNC_NODE_IDS`` overrides detection; otherwise ranks are grouped by
@@ -203,7 +227,7 @@ class Topology:
         return rank
 
     # ----------------------------------------------------------------- groups
-    def build_groups(self, process_group: "dist.ProcessGroup | None" = None, timeout=None) -> "Groups":
+    def build_groups(self, process_group: dist.ProcessGroup | None = None, timeout=None) -> Groups:
         """Create this rank's intra and rail groups. Collective: every rank must call it.
 
         ``new_group`` must be called by every rank for every group in the same order, so
@@ -223,9 +247,12 @@ class Topology:
                 f"topology has {self.world_size} ranks but the process group has {dist.get_world_size()}; "
                 "detect it with Topology.detect() or fix HIERSYNC_NODE_IDS"
             )
+        if timeout is None:
+            timeout = world_timeout(process_group)
         kw = {} if timeout is None else {"timeout": timeout}
+        logger.debug("hiersync: subgroups use timeout %s", timeout)
 
-        def make(ranks_list: Sequence[Sequence[int]]) -> "dist.ProcessGroup | None":
+        def make(ranks_list: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
             mine = None
             for ranks in ranks_list:
                 g = dist.new_group(list(ranks), **kw)
@@ -248,9 +275,9 @@ class Groups:
 
     topology: Topology
     rank: int
-    intra: "dist.ProcessGroup | None"
-    intra_late: "dist.ProcessGroup | None"
-    rail: "dist.ProcessGroup | None"
+    intra: dist.ProcessGroup | None
+    intra_late: dist.ProcessGroup | None
+    rail: dist.ProcessGroup | None
 
     @property
     def node_size(self) -> int:
@@ -267,3 +294,11 @@ class Groups:
     @property
     def is_leader(self) -> bool:
         return self.local_rank == 0
+
+    def destroy(self) -> None:
+        """Destroy this rank's groups (local; collectives on them fail afterwards)."""
+        import torch.distributed as dist
+
+        for g in {id(g): g for g in (self.intra, self.intra_late, self.rail) if g is not None}.values():
+            dist.destroy_process_group(g)
+        self.intra = self.intra_late = self.rail = None

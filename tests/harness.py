@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
+import torch.distributed as dist
+
 from hiersync._launch import run
 
 # Topologies every distributed behaviour is checked on (one node id per global rank).
@@ -27,3 +30,14 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 def launch(fn, node_ids, *args, timeout: float = 120.0, pg_timeout: float = 60.0, **kw):
     """Run ``fn(*args)`` on ``len(node_ids)`` ranks emulating ``node_ids``; return rank results."""
     return run(fn, len(node_ids), args, node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout, **kw)
+
+
+@pytest.fixture
+def world1(tmp_path, monkeypatch):
+    """A one-rank gloo world in the test process itself (no extra processes)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.delenv("HIERSYNC_NODE_IDS", raising=False)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -6,8 +6,6 @@ Shared by the multi-process tests. Models are tiny: the machine has two cores.
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 import copy
 
 import torch
@@ -73,7 +71,9 @@ DDP_VARIANTS = {
 }
 
 
-def ddp_parity(variants: list[str], steps: int = 6, options: dict | None = None, low_precision_tol: bool = False) -> dict:
+def ddp_parity(
+    variants: list[str], steps: int = 6, options: dict | None = None, low_precision_tol: bool = False
+) -> dict:
     """Train DDP default and DDP+hiersync side by side; return per-variant max abs diffs.
 
     fp32 parameters must match to rtol 1e-5 / atol 1e-6. With ``low_precision_tol`` (bf16
@@ -99,7 +99,7 @@ def ddp_parity(variants: list[str], steps: int = 6, options: dict | None = None,
             tol = dict(rtol=1e-5, atol=1e-6)
             if low_precision_tol and name == "bf16_mixed":
                 tol = dict(rtol=2**-7, atol=1e-3) if p.dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-4)
-            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p, q, **tol, msg=lambda m, name=name: f"{name}: {m}")
             diffs.append(float((p.detach().float() - q.detach().float()).abs().max()))
         out[name] = {"max_diff": max(diffs), "steps": state.stats.steps, "exact": state.stats.exact_steps}
     return out
@@ -317,8 +317,12 @@ def localsgd_check(cfg: dict) -> dict:
     ddp = DDP(model, **cfg.get("ddp", {}))
     outer = cfg.get("outer")
     state = hiersync.HierState(
-        period, warmup, overlap=mode == "overlap", compress=cfg.get("compress"),
-        outer_lr=outer[0] if outer else None, outer_momentum=outer[1] if outer else 0.0,
+        period,
+        warmup,
+        overlap=mode == "overlap",
+        compress=cfg.get("compress"),
+        outer_lr=outer[0] if outer else None,
+        outer_momentum=outer[1] if outer else 0.0,
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -350,7 +354,11 @@ def localsgd_check(cfg: dict) -> dict:
         worst = max(worst, diff)
         if not cfg.get("compress"):
             torch.testing.assert_close(
-                mine, _flat(ref.m.parameters()), rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} ({kind}): {m}"
+                mine,
+                _flat(ref.m.parameters()),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, step=step, kind=kind: f"step {step} ({kind}): {m}",
             )
     return {
         "sync_steps": list(state.stats.recent_sync_steps),
@@ -368,8 +376,12 @@ def _build(cfg: dict):
     ddp = DDP(Net(), **cfg.get("ddp", {}))
     outer = cfg.get("outer")
     state = hiersync.HierState(
-        cfg["period"], cfg.get("warmup", 0), overlap=cfg["mode"] == "overlap", compress=cfg.get("compress"),
-        outer_lr=outer[0] if outer else None, outer_momentum=outer[1] if outer else 0.0,
+        cfg["period"],
+        cfg.get("warmup", 0),
+        overlap=cfg["mode"] == "overlap",
+        compress=cfg.get("compress"),
+        outer_lr=outer[0] if outer else None,
+        outer_momentum=outer[1] if outer else 0.0,
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -400,18 +412,27 @@ def checkpoint_run(cfg: dict, phase: str, folder: str, n: int) -> list:
 
 # ---------------------------------------------------------------- reliability
 def die_mid_training(
-    victim: int, die_at: int, period: int, timeout_s: float, how: str = "kill", pure: bool = False, folder: str = ""
+    victim: int,
+    die_at: int,
+    period: int,
+    timeout_s: float | None,
+    how: str = "kill",
+    pure: bool = False,
+    folder: str = "",
+    bucket_cap_mb: float = 25.0,
 ) -> None:
     """Train; ``victim`` SIGKILLs (or SIGSTOPs) itself at step ``die_at``; survivors must raise.
 
     Each survivor writes the wall-clock time of the failure's start to ``folder``.
+    ``timeout_s=None``: hiersync inherits the job's own (``init_process_group``) timeout.
+    A small ``bucket_cap_mb`` gives several buckets per step (the early-failure race).
     """
     import os
     import signal
     import time
 
     torch.manual_seed(0)
-    ddp = DDP(Net())
+    ddp = DDP(Net(), bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     hiersync.register(ddp, None if pure else opt, period=period, timeout=timeout_s)
     for step in range(die_at + 3 * period + 2):
@@ -492,3 +513,60 @@ def synchronize_check(mode: str) -> dict:
     assert all(torch.equal(t, after) for t in everyone), "ranks differ after synchronize()"
     torch.testing.assert_close(after, mean, rtol=1e-5, atol=1e-6)
     return {"differed_before": differed}
+
+
+def scaler_overflow(mode: str, period: int, inject: list[int], steps: int) -> dict:
+    """fp16 autocast + GradScaler, the plain loop; rank 1 overflows at the ``inject`` steps.
+
+    Parameters must stay finite on every rank after every step; ``synchronize`` at the end
+    must make every rank identical.
+    """
+    torch.manual_seed(0)
+    ddp = DDP(Net(), bucket_cap_mb=0.0005)  # several buckets per step
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10_000)
+    scales, losses = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(ddp(x).float(), y)
+        if step in inject and dist.get_rank() == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        losses.append(float(loss))
+        assert bool(torch.isfinite(_flat(ddp.parameters())).all()), f"non-finite parameters after step {step}"
+    state.synchronize(ddp)
+    mine = _flat(ddp.parameters())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return {
+        "scales": scales,
+        "last_loss": losses[-1],
+        "identical": all(torch.equal(t, mine) for t in everyone),
+        "stats": state.stats.as_dict(),
+    }
+
+
+def bf16_autocast(period: int, steps: int) -> dict:
+    """bf16 autocast (no scaler) trains through hiersync like through DDP at period 1."""
+    torch.manual_seed(0)
+    ddp = DDP(Net())
+    ref = DDP(copy.deepcopy(ddp.module))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    hiersync.register(ddp, opt, period=period)
+    for step in range(steps):
+        x, y = batch(step)
+        for net, o in ((ddp, opt), (ref, ref_opt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    diff = max(float((p - q).abs().max()) for p, q in zip(ddp.parameters(), ref.parameters()))
+    return {"max_diff": diff}

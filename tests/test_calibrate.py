@@ -222,7 +222,7 @@ def auto_choices(paths: list[str]) -> list[dict]:
                 opt.zero_grad()
         for p, q in zip(ddp.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # both paths average exactly
-        out.append(dict(state._auto_cache))
+        out.append(dict(state.exact_algorithms))
     return out
 
 

@@ -19,13 +19,25 @@ pytest.importorskip("matplotlib", reason="the convergence script writes a plot")
 
 # Appended, not prepended: benchmarks/ has its own conftest.py, which must not shadow tests/'.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import convergence  # noqa: E402
+import convergence
 
 STEPS = 120
 
 
 def test_digits_ddp_and_k4_learn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--steps", str(STEPS), "--seeds", "0", "--schedules", "ddp", "k=4", "--eval-every", "40", "--out", str(tmp_path)]
+    argv = [
+        "--steps",
+        str(STEPS),
+        "--seeds",
+        "0",
+        "--schedules",
+        "ddp",
+        "k=4",
+        "--eval-every",
+        "40",
+        "--out",
+        str(tmp_path),
+    ]
     assert convergence.main(argv) == 0
     assert "| k=4 |" in capsys.readouterr().out
 

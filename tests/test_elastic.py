@@ -16,14 +16,34 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "elastic_train.py"
 def _torchrun(tmp: Path, name: str, crash_at: int) -> list[torch.Tensor]:
     env = dict(os.environ, HIERSYNC_NODE_IDS="0,0,1,1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "--max-restarts", "1", "--monitor-interval", "0.5", str(SCRIPT),
-        "--ckpt", str(tmp / name / "ckpt"), "--out", str(tmp / name / "out"),
-        "--steps", "12", "--period", "3", "--ckpt-every", "2", "--crash-at", str(crash_at),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        "--ckpt",
+        str(tmp / name / "ckpt"),
+        "--out",
+        str(tmp / name / "out"),
+        "--steps",
+        "12",
+        "--period",
+        "3",
+        "--ckpt-every",
+        "2",
+        "--crash-at",
+        str(crash_at),
     ]
     # start_new_session: on a timeout the whole process tree is killed, not only torchrun
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:

@@ -11,21 +11,12 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from harness import world1  # noqa: F401 - a fixture
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync import HierState
 from hiersync._io import atomic_save, atomic_write_json
-
-
-@pytest.fixture
-def world1(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    monkeypatch.delenv("HIERSYNC_NODE_IDS", raising=False)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _model(width: int = 4) -> torch.nn.Module:
@@ -98,14 +89,14 @@ def test_state_from_a_dead_process_group(world1, tmp_path):
     _step(ddp)
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store2"), 1), rank=0, world_size=1)
-    with pytest.raises(RuntimeError, match="built for another process group.*Build a new HierState"):
+    with pytest.raises(RuntimeError, match=r"built for another process group.*Build a new HierState"):
         _step(ddp)
 
 
 def test_hook_needs_a_hierstate(world1):
     ddp = DDP(_model())
     ddp.register_comm_hook(object(), hiersync.hook)
-    with pytest.raises(TypeError, match="hiersync.hook needs a hiersync.HierState as its state, got object"):
+    with pytest.raises(TypeError, match=r"hiersync.hook needs a hiersync.HierState as its state, got object"):
         _step(ddp)
 
 
@@ -115,7 +106,9 @@ def test_register_needs_ddp(world1):
 
 
 def _fake_bucket(buffer, params):
-    return types.SimpleNamespace(buffer=lambda: buffer, parameters=lambda: params, is_last=lambda: True, index=lambda: 0)
+    return types.SimpleNamespace(
+        buffer=lambda: buffer, parameters=lambda: params, is_last=lambda: True, index=lambda: 0
+    )
 
 
 def test_non_float_bucket_with_compression(world1):
@@ -150,18 +143,18 @@ def test_attach_optimizer_without_model_is_checked_at_first_step(world1):
 
 def test_attach_optimizer_bad_calls(world1):
     state = HierState(period=2)
-    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer, got list"):
+    with pytest.raises(TypeError, match=r"needs a torch.optim.Optimizer, got list"):
         state.attach_optimizer([])
     state.attach_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="already attached"):
         state.attach_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
 
 
-def _trained_state(width: int, **options):
+def _trained_state(width: int, steps: int = 3, **options):
     ddp = DDP(_model(width))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     state = hiersync.register(ddp, opt, period=2, **options)
-    for _ in range(3):
+    for _ in range(steps):
         _step(ddp, opt)
     return state, ddp, opt
 
@@ -198,13 +191,71 @@ def test_load_state_dict_wrong_parameter_shapes(world1):
 
 
 def test_load_state_dict_wrong_shapes_before_first_step(world1):
+    """The documented order (load before the first backward) is checked at load time."""
     saved = _trained_state(4, compress="bf16")[0].state_dict()
     ddp = DDP(_model(6))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     state = hiersync.register(ddp, opt, period=2, compress="bf16")
-    state.load_state_dict(saved)  # nothing to compare with yet: checked when the hook sees the parameters
-    with pytest.raises(ValueError, match=r"anchor\[\d\] has shape .* the checkpoint is from a different model"):
+    with pytest.raises(ValueError, match=r"do not match this model's .* the checkpoint is from a different model"):
+        state.load_state_dict(saved)
+    assert state.step == 0 and not state.engine.pending  # a failed load changes nothing
+    _step(ddp, opt)  # and training goes on
+
+
+def test_load_state_dict_wrong_shapes_bare_hook_checked_at_first_step(world1):
+    """Without register() the state does not know the model: the first backward checks."""
+    saved = _trained_state(4, compress="bf16")[0].state_dict()
+    ddp = DDP(_model(6))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state = HierState(period=2, compress="bf16")
+    ddp.register_comm_hook(state, hiersync.hook)
+    state.attach_optimizer(opt)
+    state.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"the checkpoint is from a different model"):
         _step(ddp, opt)
+
+
+def test_synchronize_right_after_load_state_dict(world1):
+    """A restart that loads a checkpoint with corrections in flight, then synchronizes."""
+    state, ddp, _opt = _trained_state(4, steps=2, overlap=True)  # step 1 synced, its correction in flight
+    sd = state.state_dict()
+    assert len(sd["pending"]) == 1
+    expected = [p.detach().clone() + c for p, c in zip(ddp.parameters(), _split(sd, ddp))]
+    fresh = DDP(_model(4))
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), ddp.parameters()):
+            p.copy_(q)
+    state2 = hiersync.register(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), period=2, overlap=True)
+    state2.load_state_dict(sd)
+    state2.synchronize(fresh)  # applies the correction (world of 1: the mean is itself)
+    for p, e in zip(fresh.parameters(), expected):
+        torch.testing.assert_close(p, e, rtol=0, atol=0)
+    assert not state2.engine.pending
+
+
+def _split(sd, ddp):
+    """The saved flat correction, cut into per-parameter tensors in model.parameters() order."""
+    params = list(ddp.parameters())
+    order = sd["model_positions"]
+    flat = sd["pending"][0]["correction"]
+    assert sd["pending"][0]["indices"] == list(range(len(order)))
+    out = [None] * len(params)
+    offset = 0
+    for j in order:
+        n = params[j].numel()
+        out[j] = flat[offset : offset + n].view(params[j].shape)
+        offset += n
+    return out
+
+
+def test_apply_pending_that_does_not_fit_keeps_corrections(world1):
+    state, _ddp, _opt = _trained_state(4, steps=2, overlap=True)
+    sd = state.state_dict()
+    sd["pending"][0]["indices"] = [0, 1, 2, 99]
+    state.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"no position 99.*different model"):
+        state.drain()
+    assert len(state.engine.pending) == 1  # nothing dropped
 
 
 def test_timeout_accepts_seconds_and_timedelta(world1):

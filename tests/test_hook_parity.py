@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 import ranks
 from harness import TOPOLOGIES, launch
 
@@ -41,8 +40,17 @@ def test_register_one_liner():
 def test_profiler_shows_each_phase():
     exact = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 1)[0]
     # gloo's default intra algorithm: all-reduce in the node, broadcast the shards
-    assert {"hiersync/hook_exact", "hiersync/intra_allreduce", "hiersync/inter_allreduce",
-            "hiersync/intra_broadcast_shards"} <= set(exact), exact
+    assert {
+        "hiersync/hook_exact",
+        "hiersync/intra_allreduce",
+        "hiersync/inter_allreduce",
+        "hiersync/intra_broadcast_shards",
+    } <= set(exact), exact
     local = launch(ranks.profiled_step, TOPOLOGIES["2x2"], 2)[0]
-    assert {"hiersync/hook_sync", "hiersync/hook_local", "hiersync/intra_allreduce",
-            "hiersync/sync_after_step", "hiersync/inter_param_allreduce"} <= set(local), local
+    assert {
+        "hiersync/hook_sync",
+        "hiersync/hook_local",
+        "hiersync/intra_allreduce",
+        "hiersync/sync_after_step",
+        "hiersync/inter_param_allreduce",
+    } <= set(local), local

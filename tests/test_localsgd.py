@@ -9,9 +9,8 @@ bitwise identical right after each sync step.
 from __future__ import annotations
 
 import pytest
-import torch
-
 import ranks
+import torch
 from harness import TOPOLOGIES, launch
 
 CASES = {

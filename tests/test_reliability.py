@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 import ranks
 from harness import TOPOLOGIES
+
 from hiersync._launch import run_all
 
 TIMEOUT_S = 4.0  # HierState(timeout=...) for these tests
@@ -26,8 +26,13 @@ def _seconds_to_fail(outcome, folder) -> float:
 def test_killed_peer_makes_every_survivor_raise(die_at, pure, tmp_path):
     # period 4: step 7 is a sync step, step 5 a local one
     outs = run_all(
-        ranks.die_mid_training, 4, (1, die_at, 4, TIMEOUT_S, "kill", pure, str(tmp_path)),
-        node_ids=TOPOLOGIES["2x2"], timeout=90, pg_timeout=TIMEOUT_S, fail_fast=False,
+        ranks.die_mid_training,
+        4,
+        (1, die_at, 4, TIMEOUT_S, "kill", pure, str(tmp_path)),
+        node_ids=TOPOLOGIES["2x2"],
+        timeout=90,
+        pg_timeout=TIMEOUT_S,
+        fail_fast=False,
     )
     assert outs[1].exitcode == -9
     for o in (outs[0], outs[2], outs[3]):
@@ -38,9 +43,14 @@ def test_killed_peer_makes_every_survivor_raise(die_at, pure, tmp_path):
 
 def test_frozen_peer_times_out_instead_of_hanging(tmp_path):
     outs = run_all(
-        ranks.die_mid_training, 4, (1, 5, 2, TIMEOUT_S, "stop", False, str(tmp_path)),
+        ranks.die_mid_training,
+        4,
+        (1, 5, 2, TIMEOUT_S, "stop", False, str(tmp_path)),
         # the frozen rank never exits by itself: the launcher kills it at this limit
-        node_ids=TOPOLOGIES["2x2"], timeout=45, pg_timeout=TIMEOUT_S, fail_fast=False,
+        node_ids=TOPOLOGIES["2x2"],
+        timeout=45,
+        pg_timeout=TIMEOUT_S,
+        fail_fast=False,
     )
     assert outs[1].exitcode is None  # frozen until the launcher killed it
     for o in (outs[0], outs[2], outs[3]):
@@ -54,8 +64,12 @@ def test_nan_never_reaches_parameters(mode):
     # warmup 2 (exact), period 3: steps 2, 3 local, 4 sync, 5, 6 local, 7 sync
     nan_steps = [1, 3, 4]
     outs = run_all(
-        ranks.nan_check, 4, (mode, 3, 2, nan_steps, 9),
-        node_ids=TOPOLOGIES["2x2"], timeout=90, fail_fast=True,
+        ranks.nan_check,
+        4,
+        (mode, 3, 2, nan_steps, 9),
+        node_ids=TOPOLOGIES["2x2"],
+        timeout=90,
+        fail_fast=True,
     )
     res = [o.result for o in outs]
     assert all(o.exitcode == 0 for o in outs), [o.error for o in outs]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import ranks
 from harness import TOPOLOGIES, launch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 EDGE_SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 1000, 1001, 9999, 10_000]
 

@@ -264,7 +264,7 @@ def _run_one(
     elapsed = time.perf_counter() - t0
     stats1 = state.stats.as_dict() if state is not None else None
     if state is not None:
-        state.state_dict()  # drains an overlapped sync still in flight before the next run
+        state.drain()  # an overlapped sync still in flight lands before the next run
     dist.barrier()
     probe.remove()
     inter = None
@@ -274,12 +274,10 @@ def _run_one(
             for lvl in (Level.INTRA, Level.INTER)
         }
     if state is not None:
-        for g in (state.groups.intra, state.groups.intra_late, state.groups.rail):
-            if g is not None:
-                try:
-                    dist.destroy_process_group(g)
-                except (RuntimeError, ValueError) as e:  # a leak of one idle group is harmless
-                    logger.debug("bench: could not destroy a hiersync group: %s", e)
+        try:
+            state.close()  # releases its optimizer hooks and groups
+        except (RuntimeError, ValueError) as e:  # a leak of one idle group is harmless
+            logger.debug("bench: could not close the hiersync state: %s", e)
     return {
         "model": model_name,
         "schedule": spec.name,

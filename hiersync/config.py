@@ -1,0 +1,116 @@
+"""The options of :class:`hiersync.HierState`, validated once. Pure: no torch import.
+
+A frozen keyword-only dataclass (torchtitan's style): every field has a docstring, every
+user mistake raises ``ValueError``/``TypeError`` naming the value and the fix, and a
+config can be built, compared and logged without a process group.
+
+Example::
+
+    >>> cfg = HierConfig(period=4, warmup_steps=100, compress="bf16")
+    >>> cfg.schedule.kind(103)
+    'sync'
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .schedule import Schedule
+from .vocab import IntraAlgorithm, MiB, Placement
+
+__all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
+
+ALGORITHMS = ("two_level", "flat", "auto")
+"""Exact-step all-reduce: two-level, one world all-reduce, or chosen per bucket size."""
+COMPRESS = (None, "none", "bf16", "fp16")
+"""Inter-node payload of the parameter average (``None``/``"none"``: fp32)."""
+NONFINITE = ("skip", "raise", "ignore")
+"""What a NaN/Inf gradient does."""
+
+
+def _choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}")
+
+
+def _number(name: str, value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HierConfig:
+    """What :class:`hiersync.HierState` does; see its docstring for the user-facing story."""
+
+    period: int = 1
+    """Steps between inter-node syncs (k); 1 = exact every step."""
+    warmup_steps: int = 0
+    """Steps at the start that use exact sync."""
+    overlap: bool = False
+    """Apply each sync one step late as a delta correction (needs an attached optimizer)."""
+    compress: str | None = None
+    """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits."""
+    outer_lr: float | None = None
+    """DiLoCo outer Nesterov learning rate on the averaged pseudo-gradient; None = plain average."""
+    outer_momentum: float = 0.0
+    """Outer Nesterov momentum (needs ``outer_lr``)."""
+    algorithm: str = "two_level"
+    """Exact-step all-reduce: ``"two_level"``, ``"flat"`` or ``"auto"`` (cost model per bucket size)."""
+    nonfinite: str = "skip"
+    """NaN/Inf gradient: ``"skip"`` the update, ``"raise"``, or ``"ignore"`` (no check, no cost)."""
+    timeout: datetime.timedelta | float | None = None
+    """Timeout of hiersync's groups; None = the world process group's own timeout."""
+    chunk_mb: float = 25.0
+    """The parameter average after ``optimizer.step()`` runs in chunks of this many MiB."""
+    intra_algorithm: str | None = None
+    """``"rs_ag"`` or ``"allreduce_bcast"``; None = by backend (vocab.default_intra_algorithm)."""
+    profile: Any = None
+    """Calibration profile (path or ``costmodel.Profile``) for ``algorithm="auto"``."""
+    schedule: Schedule = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(period=self.period, warmup_steps=self.warmup_steps))
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.overlap and self.period < 2:
+            raise ValueError(f"overlap=True needs period >= 2 (there is nothing to overlap at period={self.period})")
+        _choice("compress", self.compress, COMPRESS)
+        if self.compress == "none":
+            object.__setattr__(self, "compress", None)
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _choice("nonfinite", self.nonfinite, NONFINITE)
+        _choice("intra_algorithm", self.intra_algorithm, (None, *(a.value for a in IntraAlgorithm)))
+        if self.outer_lr is not None and not (_number("outer_lr", self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"outer_lr must be a positive number or None, got {self.outer_lr!r}")
+        if not (_number("outer_momentum", self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if self.outer_momentum and self.outer_lr is None:
+            raise ValueError(f"outer_momentum={self.outer_momentum} needs outer_lr (e.g. outer_lr=0.7)")
+        if not (_number("chunk_mb", self.chunk_mb) and self.chunk_mb > 0):
+            raise ValueError(f"chunk_mb must be > 0, got {self.chunk_mb!r}")
+        timeout = self.timeout
+        if _number("timeout", timeout):
+            assert isinstance(timeout, (int, float))
+            if timeout <= 0:
+                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            object.__setattr__(self, "timeout", datetime.timedelta(seconds=timeout))
+        elif timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"timeout must be a timedelta or seconds, got {timeout!r}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mb * MiB)
+
+    @property
+    def needs_anchor(self) -> bool:
+        """Whether the averager keeps an fp32 anchor (delta compression or an outer step)."""
+        return self.compress is not None or self.outer_lr is not None
+
+    def placement(self, attached: bool) -> Placement:
+        """Where the period-k parameter average runs, given whether an optimizer is attached."""
+        if not attached:
+            return Placement.HOOK
+        return Placement.OVERLAP if self.overlap else Placement.OPTIMIZER

@@ -1,0 +1,221 @@
+"""Futures, errors and the one way to read a collective's result.
+
+The rules (docs/design.md, "CUDA streams"):
+
+* An NCCL future completes when its collective is *enqueued*; the result is ready only on
+  the NCCL stream. ``Future.value()`` never synchronizes streams; ``Future.wait()`` makes
+  the *current* streams wait on the future's events (and, on CPU, simply blocks).
+* So every read of a collective's result goes through :func:`wait`, on the stream that
+  then uses it. A reviewer checks this with ``grep -n "\\.value()" hiersync/``: the only
+  ``.value()`` calls are inside :func:`wait` itself.
+* A future handed to a consumer that reads it on a device (DDP, a later leg) is a *device*
+  future (:func:`new_future`) whose result was set after :func:`wait`, so it records events
+  on the stream that waited.
+* ``torch.futures.collect_all`` fails as soon as *one* source fails while others still
+  run, and its future carries no events. hiersync uses :func:`when_all` instead: it
+  completes only when every source has completed, then reads them all through
+  :func:`wait`.
+
+Example::
+
+    >>> fut = when_all([comm.intra_allreduce(a), comm.intra_allreduce(b)], a.device, "step 3")
+    >>> reduced_a, reduced_b = wait(fut)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+__all__ = [
+    "HierSyncError",
+    "new_future",
+    "completed",
+    "failed",
+    "wait",
+    "wrap",
+    "when_all",
+    "forward",
+    "after",
+    "span",
+    "on_side_stream",
+]
+
+Future = torch.futures.Future
+
+
+class HierSyncError(RuntimeError):
+    """A hiersync collective failed (peer died, timeout, ...). The message names the phase."""
+
+
+def new_future(device: torch.device) -> Future:
+    """A future that, on CUDA, records events on the current streams when its value is set."""
+    if device.type == "cuda":
+        return Future(devices=[device])
+    return Future()
+
+
+def completed(value: Any, device: torch.device | None = None) -> Future:
+    """A future that is already done with ``value``."""
+    fut = new_future(device or torch.device("cpu"))
+    fut.set_result(value)
+    return fut
+
+
+def failed(error: BaseException, device: torch.device | None = None) -> Future:
+    """A future that has already failed with ``error``."""
+    fut = new_future(device or torch.device("cpu"))
+    fut.set_exception(error)
+    return fut
+
+
+def _recover(e: BaseException) -> HierSyncError | None:
+    """The :class:`HierSyncError` inside ``e``, if ``e`` is one or torch re-wrapped one."""
+    if isinstance(e, HierSyncError):
+        return e
+    text = str(e)
+    marker = "HierSyncError: "
+    if marker not in text:
+        return None
+    err = HierSyncError(text[text.index(marker) + len(marker) :])
+    err.__cause__ = e
+    return err
+
+
+def wait(fut: Future) -> Any:
+    """Read a collective's result: make the current streams wait on it, return its value.
+
+    The only sanctioned way to read a result in hiersync. Raises a failed hiersync
+    collective as :class:`HierSyncError`: torch re-wraps an error raised inside a ``then``
+    callback into a plain ``RuntimeError`` whose text contains the original, so the
+    hiersync message and type are recovered here.
+    """
+    try:
+        return fut.wait()
+    except Exception as e:
+        err = _recover(e)
+        if err is None:
+            raise
+        if err is e:
+            raise
+        raise err from e
+
+
+def wrap(e: BaseException, phase: str) -> BaseException:
+    """``e`` as a :class:`HierSyncError` naming ``phase`` (kept if it already is one)."""
+    err = _recover(e)
+    if err is None:
+        err = HierSyncError(f"hiersync {phase} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+    return err
+
+
+def forward(src: Future, dst: Future, phase: str) -> None:
+    """Complete ``dst`` with ``src``'s result (read through :func:`wait`) or its error."""
+    try:
+        value = wait(src)
+    except Exception as e:
+        dst.set_exception(wrap(e, phase))
+    else:
+        dst.set_result(value)
+
+
+def when_all(futs: Sequence[Future], device: torch.device, phase: str) -> Future:
+    """A device future of every source's value, completed only once *all* have completed.
+
+    If any source failed, it fails with the first failure in list order (as a
+    :class:`HierSyncError` naming ``phase``), but never before every source is done:
+    nothing that reads the sources' buffers can run while one is still being written.
+    """
+    out = new_future(device)
+    if not futs:
+        out.set_result([])
+        return out
+    remaining = [len(futs)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        values = []
+        try:
+            for f in futs:
+                values.append(wait(f))
+        except Exception as e:
+            out.set_exception(wrap(e, phase))
+        else:
+            out.set_result(values)
+
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    return out
+
+
+def after(fut: Future, value: Callable[[], Any]) -> Future:
+    """``fut.then(...)`` returning ``value()``, but re-raising ``fut``'s error first.
+
+    A ``then`` callback runs even when its parent failed; one that ignored its argument
+    would turn a failed collective into a silently wrong result.
+    """
+
+    def cb(f: Future) -> Any:
+        wait(f)
+        return value()
+
+    return fut.then(cb)
+
+
+def span(name: str, fut: Future) -> Future:
+    """Show ``name`` in profiler traces from now until ``fut`` completes.
+
+    Later legs are launched from backend threads that the profiler does not record, so each
+    leg's range is opened here, on the calling thread, and closed by the future: the trace
+    shows how long every phase really took. Free when no profiler is running.
+    """
+    if not torch.autograd._profiler_enabled():
+        return fut
+    with record_function(name) as rf:
+        return rf._call_end_callbacks_on_future(fut)
+
+
+class _SideStreams:
+    """One side stream per CUDA device, created on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> Any:
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device=device)
+            return s
+
+
+_SIDE = _SideStreams()
+
+
+@contextlib.contextmanager
+def on_side_stream(device: torch.device) -> Iterator[None]:
+    """Run the body on hiersync's side stream of ``device`` (CUDA); a no-op on CPU.
+
+    Later legs are launched from backend callback threads, whose current stream is the
+    device's default stream: waiting there would serialize with all other work. The side
+    stream waits only on what :func:`wait` tells it to.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(_SIDE.get(device)):
+        yield

@@ -1,0 +1,153 @@
+"""Checkpointing of :class:`hiersync.HierState`: what resumes the schedule bit for bit.
+
+The local-SGD state (fp32 anchor, outer momentum, corrections in flight) is kept by
+*registry position*: the order in which the hook first sees parameters (DDP's initial
+bucket order). To map it back before the hook has seen anything (a ``load_state_dict``
+right after a restart, then ``synchronize()`` or a shape check), the checkpoint also
+records each position's index in ``model.parameters()`` when the state knows the model
+(:func:`hiersync.register`, or after ``synchronize(model)``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .ddp import HierState
+
+__all__ = ["save", "load", "bootstrap_registry", "check_loaded_shapes", "FORMAT"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "hiersync.HierState/1"
+_REQUIRED = ("step", "period", "warmup_steps", "world_size", "averager", "pending")
+_COUNTERS = ("steps", "exact_steps", "local_steps", "sync_steps", "nonfinite_skips", "nonfinite_sync_skips")
+
+
+def save(state: HierState) -> dict[str, Any]:
+    """Everything needed to continue the schedule exactly: save it with the model and optimizer.
+
+    Syncs in flight are finished first (their completion updates the anchor and
+    momentum saved here) and saved as corrections still to apply. Collective when a
+    sync step's average is still owed (it is launched here, as on every other node).
+    """
+    state.engine.launch_owed()
+    engine = state.engine.state()
+    return {
+        "format": FORMAT,
+        "step": state.step,
+        "period": state.period,
+        "warmup_steps": state.warmup_steps,
+        "world_size": state.world_size,
+        "nodes": [list(n) for n in state.topology.nodes],
+        "param_shapes": [tuple(p.shape) for p in state.averager.params],
+        "model_positions": _model_positions(state),
+        **engine,
+        "stats": state.stats.as_dict(),
+    }
+
+
+def load(state: HierState, state_dict: dict[str, Any]) -> None:
+    """Restore from :meth:`state_dict`. Call before the first backward after a restart.
+
+    A checkpoint from another model raises ``ValueError`` here when the state knows the
+    model (:func:`hiersync.register`), else at the end of the first backward.
+    """
+    if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
+        raise ValueError(
+            "not a hiersync HierState state_dict (missing or wrong 'format' key, expected "
+            f"{FORMAT!r}); pass what state.state_dict() returned"
+        )
+    missing = [k for k in _REQUIRED if k not in state_dict]
+    if missing:
+        raise ValueError(f"corrupt hiersync state_dict: missing keys {missing}")
+    if state_dict["world_size"] != state.world_size:
+        raise ValueError(
+            f"hiersync state_dict was saved with world size {state_dict['world_size']} but this job has "
+            f"{state.world_size}; local-SGD state (anchor, pending corrections) cannot be remapped: call "
+            "state.synchronize(model) before saving and start a fresh HierState instead"
+        )
+    step = state_dict["step"]
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"corrupt hiersync state_dict: step={step!r}")
+    if (state_dict["period"], state_dict["warmup_steps"]) != (state.period, state.warmup_steps):
+        logger.warning(
+            "hiersync: checkpoint had period=%s warmup=%s, continuing with period=%s warmup=%s",
+            state_dict["period"],
+            state_dict["warmup_steps"],
+            state.period,
+            state.warmup_steps,
+        )
+    loaded = {
+        "shapes": [tuple(s) for s in state_dict.get("param_shapes") or []],
+        "positions": state_dict.get("model_positions"),
+    }
+    # Check before anything is changed: a failed load leaves the state as it was.
+    if state.averager.params:
+        _check_shapes(loaded, state.averager.params)
+    elif state._model is not None and loaded["positions"]:
+        _params_in_saved_order(loaded, state._model)
+    # unchecked facts wait for the model (synchronize) or the first backward
+    state._loaded = None if state.averager.params else loaded
+    state.engine.load(state_dict["averager"], state_dict["pending"])
+    state.step = step
+    state._kind = None
+    state._last_kind = None
+    state._stepped_for = step
+    saved = state_dict.get("stats") or {}
+    for k in _COUNTERS:
+        if k in saved:
+            setattr(state.stats, k, saved[k])
+    if state._model is not None:
+        bootstrap_registry(state, state._model)
+
+
+def bootstrap_registry(state: HierState, model: torch.nn.Module) -> None:
+    """Before the first backward: register ``model``'s parameters in the checkpoint's order."""
+    loaded = state._loaded
+    if loaded is None or state.averager.params or not loaded["positions"]:
+        return
+    state.averager.register(_params_in_saved_order(loaded, model))  # binds anchor and momentum
+    state._loaded = None
+
+
+def check_loaded_shapes(state: HierState) -> None:
+    loaded, state._loaded = state._loaded, None
+    if loaded:
+        _check_shapes(loaded, state.averager.params)
+
+
+def _params_in_saved_order(loaded: dict[str, Any], model: torch.nn.Module) -> list[torch.Tensor]:
+    params = list(model.parameters())
+    positions = loaded["positions"] or []
+    if len(set(positions)) != len(positions) or not all(0 <= j < len(params) for j in positions):
+        raise ValueError(
+            f"hiersync state_dict refers to parameter {max(positions, default=0)} of a model with "
+            f"{len(params)} parameters: the checkpoint is from a different model"
+        )
+    ordered = [params[j] for j in positions]
+    _check_shapes(loaded, ordered)
+    return ordered
+
+
+def _check_shapes(loaded: dict[str, Any], params: list[torch.Tensor]) -> None:
+    mine = [tuple(p.shape) for p in params]
+    if loaded["shapes"] and loaded["shapes"] != mine:
+        raise ValueError(
+            f"hiersync state_dict parameter shapes {loaded['shapes'][:4]}... do not match this model's "
+            f"{mine[:4]}...: the checkpoint is from a different model"
+        )
+
+
+def _model_positions(state: HierState) -> list[int] | None:
+    """Each registry position's index in ``model.parameters()``, or None without a model."""
+    if state._model is None or not state.averager.params:
+        return None
+    where = {id(p): j for j, p in enumerate(state._model.parameters())}
+    positions = [where.get(id(p)) for p in state.averager.params]
+    if any(j is None for j in positions):
+        return None
+    return [int(j) for j in positions if j is not None]

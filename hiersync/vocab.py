@@ -1,0 +1,143 @@
+"""One name, one definition per concept (the vocabulary of docs/design.md). Pure: no torch import.
+
+Every module that needs a step kind, a level, a placement, an intra-node algorithm or a
+byte unit takes it from here, so the hook, the cost model and the tools cannot drift apart.
+The enums are ``str`` subclasses: ``StepKind.SYNC == "sync"``, they format as their value,
+and they round-trip through JSON and argparse unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+
+__all__ = [
+    "StrEnum",
+    "StepKind",
+    "Level",
+    "Placement",
+    "IntraAlgorithm",
+    "default_intra_algorithm",
+    "KiB",
+    "MiB",
+    "GiB",
+    "parse_size",
+    "format_size",
+]
+
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, enum.Enum):
+        """``enum.StrEnum`` for Python 3.10: members are strings that print as their value."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
+
+class StepKind(StrEnum):
+    """What a step does (the schedule decides; see :mod:`hiersync.schedule`)."""
+
+    EXACT = "exact"
+    """Every bucket averaged over the world (period 1, or a warmup step)."""
+    LOCAL = "local"
+    """Buckets averaged inside the node only."""
+    SYNC = "sync"
+    """A local step after which parameters are also averaged across nodes."""
+
+
+class Level(StrEnum):
+    """Which links a collective crosses."""
+
+    INTRA = "intra"
+    """Inside a node (NVLink, loopback)."""
+    INTER = "inter"
+    """Between nodes (the NICs, one rail per local rank)."""
+
+
+class Placement(StrEnum):
+    """Where the period-k parameter average runs."""
+
+    HOOK = "hook"
+    """Inside the hook, during the sync step's backward (no optimizer attached)."""
+    OPTIMIZER = "optimizer"
+    """Right after ``optimizer.step()`` on sync steps (attached optimizer)."""
+    OVERLAP = "overlap"
+    """Launched after ``optimizer.step()``, applied later as a delta correction."""
+
+
+class IntraAlgorithm(StrEnum):
+    """How a node reduces and gathers around the rail leg of the two-level all-reduce."""
+
+    RS_AG = "rs_ag"
+    """Reduce-scatter + all-gather: bandwidth-optimal (NCCL's default)."""
+    ALLREDUCE_BCAST = "allreduce_bcast"
+    """All-reduce + one broadcast per shard (gloo's default: its RS/AG are slow on CPU)."""
+
+
+def default_intra_algorithm(backend: str) -> IntraAlgorithm:
+    """The intra algorithm hiersync runs on ``backend`` when none is given.
+
+    gloo's reduce-scatter and all-gather are slow on CPU: measured for 64 MB inside a
+    node, all-reduce 81-85 ms, reduce-scatter 145-192 ms, all-gather 122-137 ms, one
+    broadcast of a 1/2 shard 17-19 ms (docs/benchmarks.md).
+    """
+    return IntraAlgorithm.ALLREDUCE_BCAST if str(backend).lower() == "gloo" else IntraAlgorithm.RS_AG
+
+
+# Byte units: binary everywhere in hiersync (a "MB" in a flag or a table is a MiB), as
+# DDP's own ``bucket_cap_mb`` is (it multiplies by 1024 * 1024).
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int | float) -> int:
+    """``"64K"``, ``"1.5MiB"``, ``"2G"``, ``"4096"`` -> bytes (binary units: K = 1024).
+
+    Raises ``ValueError`` naming the text when it is not a size.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r}; use e.g. 4096, 64K, 1.5M or 2GiB (binary units)")
+    scale = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}[m.group(2).lower()]
+    return int(round(float(m.group(1)) * scale))
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``"64 KiB"``)."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+# Counts (parameters, elements) are decimal, unlike byte sizes: "25M" parameters is 25e6.
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str | int | float) -> int:
+    """``"25M"`` -> 25_000_000, ``"1.5k"`` -> 1500, ``"300000"`` -> 300000 (decimal units: k = 1000).
+
+    For counts such as a number of parameters; byte sizes use :func:`parse_size` (binary).
+    Raises ``ValueError`` naming the text when it is not a count.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = _COUNT.match(str(text))
+    if not m:
+        raise ValueError(f"not a count: {text!r}; use e.g. 300000, 500k, 25M or 1.5G (decimal units)")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}[m.group(2).lower()]
+    return int(round(float(m.group(1)) * scale))
+
+
+__all__ += ["parse_count"]
