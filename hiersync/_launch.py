@@ -122,6 +122,15 @@ def _child(
     os._exit(code)
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether ``pid`` is stopped by a signal (Linux /proc; False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def run_all(
     fn: Callable,
     world_size: int,
@@ -170,6 +179,11 @@ def run_all(
                     ended[r] = now - start
                     failed = failed or p.exitcode != 0
             if len(ended) == world_size or (fail_fast and failed) or now - start > timeout:
+                break
+            # Ranks frozen on purpose (SIGSTOP) never exit: once every other rank has, stop
+            # waiting for them (they are killed below and reported with exitcode None).
+            alive = [p for r, p in enumerate(procs) if r not in ended]
+            if ended and all(_stopped(p.pid) for p in alive):
                 break
             time.sleep(0.02)
     finally:
