@@ -37,7 +37,7 @@ def _choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}")
 
 
-def _number(name: str, value: Any) -> bool:
+def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -83,16 +83,16 @@ class HierConfig:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("intra_algorithm", self.intra_algorithm, (None, *(a.value for a in IntraAlgorithm)))
-        if self.outer_lr is not None and not (_number("outer_lr", self.outer_lr) and self.outer_lr > 0):
+        if self.outer_lr is not None and not (_number(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a positive number or None, got {self.outer_lr!r}")
-        if not (_number("outer_momentum", self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):
+        if not (_number(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.outer_momentum and self.outer_lr is None:
             raise ValueError(f"outer_momentum={self.outer_momentum} needs outer_lr (e.g. outer_lr=0.7)")
-        if not (_number("chunk_mb", self.chunk_mb) and self.chunk_mb > 0):
+        if not (_number(self.chunk_mb) and self.chunk_mb > 0):
             raise ValueError(f"chunk_mb must be > 0, got {self.chunk_mb!r}")
         timeout = self.timeout
-        if _number("timeout", timeout):
+        if _number(timeout):
             assert isinstance(timeout, (int, float))
             if timeout <= 0:
                 raise ValueError(f"timeout must be > 0 seconds, got {timeout}")

@@ -171,7 +171,8 @@ class HierState:
         Applies syncs in flight first. Use it before evaluation and before saving a single
         checkpoint for all ranks; it also works right after :meth:`load_state_dict`. Collective.
         """
-        self._model = self._model or model
+        if self._model is None:
+            self._model = model
         self.drain()
         tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
         with record_function("hiersync/synchronize"):
@@ -239,11 +240,8 @@ class HierState:
             assert params is not None
             self._device = _check_bucket(buf, params, self._device, self.config.compress)
             self.averager.register(params)
-        elif buf.device != self._device:
-            raise RuntimeError(
-                f"hiersync: gradient bucket on {buf.device} but earlier buckets were on {self._device}; "
-                "keep the whole model on one device per rank"
-            )
+        else:
+            _check_same_device(buf, self._device)
         with record_function(f"hiersync/hook_{kind}"):
             launched = None
             if kind == EXACT:
@@ -365,17 +363,21 @@ def _check_bucket(
             f"hiersync: parameters of one DDP bucket are on several devices {sorted(map(str, devices))}; "
             "move the whole model to one device per rank (model.to(device)) before wrapping it in DDP"
         )
-    if device is not None and buf.device != device:
-        raise RuntimeError(
-            f"hiersync: gradient bucket on {buf.device} but earlier buckets were on {device}; "
-            "keep the whole model on one device per rank"
-        )
+    _check_same_device(buf, device)
     if compress is not None and not buf.is_floating_point():
         raise TypeError(
             f"hiersync: compress={compress!r} needs floating-point gradients, got a {buf.dtype} "
             "bucket; use compress=None for this model"
         )
     return buf.device
+
+
+def _check_same_device(buf: torch.Tensor, device: torch.device | None) -> None:
+    if device is not None and buf.device != device:
+        raise RuntimeError(
+            f"hiersync: gradient bucket on {buf.device} but earlier buckets were on {device}; "
+            "keep the whole model on one device per rank"
+        )
 
 
 def _check_optimizer_owns(optimizer: torch.optim.Optimizer, params: Any) -> None:
