@@ -49,13 +49,11 @@ from .futures import (
 )
 from .stats import Stats
 from .topology import Groups
-from .vocab import IntraAlgorithm, Level, default_intra_algorithm
+from .vocab import INTRA_ALGORITHMS, Level, default_intra_algorithm
 
 INTRA, INTER = Level.INTRA, Level.INTER
 
 __all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait", "INTRA_ALGORITHMS"]
-
-INTRA_ALGORITHMS = tuple(a.value for a in IntraAlgorithm)
 
 
 class Sequencer:

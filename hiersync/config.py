@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schedule import Schedule
-from .vocab import IntraAlgorithm, MiB, Placement
+from .vocab import INTRA_ALGORITHMS, MiB, Placement
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
@@ -82,7 +82,7 @@ class HierConfig:
             object.__setattr__(self, "compress", None)
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
-        _choice("intra_algorithm", self.intra_algorithm, (None, *(a.value for a in IntraAlgorithm)))
+        _choice("intra_algorithm", self.intra_algorithm, (None, *INTRA_ALGORITHMS))
         if self.outer_lr is not None and not (_number(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a positive number or None, got {self.outer_lr!r}")
         if not (_number(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):

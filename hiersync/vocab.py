@@ -18,6 +18,7 @@ __all__ = [
     "Level",
     "Placement",
     "IntraAlgorithm",
+    "INTRA_ALGORITHMS",
     "default_intra_algorithm",
     "KiB",
     "MiB",
@@ -78,6 +79,10 @@ class IntraAlgorithm(StrEnum):
     """Reduce-scatter + all-gather: bandwidth-optimal (NCCL's default)."""
     ALLREDUCE_BCAST = "allreduce_bcast"
     """All-reduce + one broadcast per shard (gloo's default: its RS/AG are slow on CPU)."""
+
+
+INTRA_ALGORITHMS: tuple[str, ...] = tuple(a.value for a in IntraAlgorithm)
+"""The intra algorithms by name, for validation and ``choices=`` in the CLI."""
 
 
 def default_intra_algorithm(backend: str) -> IntraAlgorithm:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hiersync.vocab import IntraAlgorithm, default_intra_algorithm
+from hiersync.vocab import INTRA_ALGORITHMS, IntraAlgorithm, default_intra_algorithm
 
 from .links import (
     DEFAULT_TREE_EFFICIENCY,
@@ -62,7 +62,6 @@ FLAT_ALGORITHMS = ("ring", "tree", "auto")
 # NCCL); "allreduce_bcast": all-reduce of the whole bucket -> rail all-reduce of this rank's 1/L
 # shard -> L broadcasts of n/L, each local rank the source of its own shard (gloo, whose CPU
 # reduce-scatter and all-gather are slower than its all-reduce and broadcast).
-INTRA_ALGORITHMS = tuple(a.value for a in IntraAlgorithm)
 
 
 def intra_algorithm_for_backend(backend: str) -> IntraAlgorithm:
