@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hiersync.futures import wait
+
 __all__ = ["PeerWorld", "FUNCTIONS"]
 
 _STATE: dict[str, Any] = {}
@@ -118,9 +120,9 @@ def allreduce_setup(kind: str, numel: int) -> None:
 def allreduce(kind: str) -> None:
     x = _STATE["tensor"]
     if kind == "two_level":
-        _STATE["comm"].allreduce(x).wait()
+        wait(_STATE["comm"].allreduce(x))
     elif kind == "flat":
-        _STATE["comm"].flat_allreduce(x).wait()
+        wait(_STATE["comm"].flat_allreduce(x))
     else:
         raise ValueError(f"kind={kind!r} is not known; use two_level or flat")
 

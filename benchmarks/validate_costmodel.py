@@ -164,6 +164,7 @@ def measure(config: ValidationConfig, device=None) -> dict[str, Any]:
 
     import hiersync
     from hiersync.collectives import HierComm
+    from hiersync.futures import wait
     from hiersync.topology import Topology
 
     device = device or torch.device("cpu")
@@ -179,8 +180,8 @@ def measure(config: ValidationConfig, device=None) -> dict[str, Any]:
     L = topo.ranks_per_node
     numels = [max(L, nbytes // 4 // L * L) for nbytes in config.sizes]  # whole shards: no padding copies
     buf = torch.zeros(max(numels), device=device)  # zeros: the averages stay zeros
-    ops = [lambda x=buf[:m]: comm.allreduce(x).wait() for m in numels]
-    ops += [lambda x=buf[:m]: comm.flat_allreduce(x).wait() for m in numels]
+    ops = [lambda x=buf[:m]: wait(comm.allreduce(x)) for m in numels]
+    ops += [lambda x=buf[:m]: wait(comm.flat_allreduce(x)) for m in numels]
     seconds = cal.time_ops(ops, device, config.sweep)
     k = len(numels)
     collectives = [

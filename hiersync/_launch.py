@@ -45,7 +45,8 @@ def forkserver_context() -> Any:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "hiersync"])
+        # DDP's constructor imports torch._dynamo (~2 s per rank on a slow CPU): load it once.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "hiersync"])
         _CTX = ctx
     return _CTX
 
@@ -153,6 +154,9 @@ def run_all(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     env = dict(env or {})
+    # The forkserver keeps the environment it started with: pass the emulation switch
+    # (hiersync.emulation) explicitly, so that the ranks follow the parent's setting now.
+    env.setdefault("HIERSYNC_EMULATE_NCCL", os.environ.get("HIERSYNC_EMULATE_NCCL", ""))
     if node_ids is not None:
         if len(node_ids) != world_size:
             raise ValueError(f"node_ids has {len(node_ids)} entries for world_size {world_size}")

@@ -22,7 +22,7 @@ with the reduce-scatters that the hook thread issues on the first one.
 Example::
 
     >>> comm = HierComm(Topology.detect().build_groups())
-    >>> avg = comm.allreduce(torch.ones(10)).wait()          # == flat all-reduce / world
+    >>> avg = wait(comm.allreduce(torch.ones(10)))   # == flat all-reduce / world
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from . import emulation
 from .futures import (
     Future,
     HierSyncError,
@@ -43,6 +44,7 @@ from .futures import (
     new_future,
     on_side_stream,
     span,
+    then,
     wait,
     when_all,
     wrap,
@@ -145,6 +147,23 @@ def _async(work: dist.Work | None, value=None) -> torch.futures.Future:
         return _WAITER.submit(work, [value])
 
 
+def _issue(op: Callable, out: torch.Tensor, *inputs: torch.Tensor, what: str, **kw) -> torch.futures.Future:
+    """Launch ``op(out, *inputs, async_op=True, **kw)``; the future's value is ``[out]``.
+
+    Every collective hiersync launches goes through here, so ``HIERSYNC_EMULATE_NCCL=1``
+    (:mod:`hiersync.emulation`) covers them all: ``out`` is what the collective writes
+    (all of them write their first argument, except a broadcast on its source rank).
+    """
+
+    def start(*ts: torch.Tensor) -> torch.futures.Future:
+        return _async(op(*ts, async_op=True, **kw), ts[0])
+
+    if not emulation.enabled():
+        return start(out, *inputs)
+    writes = not (op is dist.broadcast and kw["src"] == dist.get_rank())
+    return emulation.launch(start, (out, *inputs), [0] if writes else [], what)
+
+
 class HierComm:
     """Two-level averaging over a :class:`~hiersync.topology.Groups`. Mechanism only.
 
@@ -215,10 +234,10 @@ class HierComm:
         tensor.div_(size)
         self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
-            fut = _async(dist.all_reduce(tensor, group=group, async_op=True))
+            fut = _issue(dist.all_reduce, tensor, group=group, what=what)
         except Exception as e:
             raise wrap(e, self._phase(what)) from e
-        fut = self._chain(fut.then(lambda f: wait(f)[0]), self._phase(what), tensor.device)
+        fut = then(fut, lambda f: wait(f)[0], tensor.device, self._phase(what))
         return span(f"hiersync/{level}_allreduce", fut)
 
     def _allreduce_two_level(self, tensor: torch.Tensor, L: int) -> torch.futures.Future:
@@ -238,13 +257,13 @@ class HierComm:
             shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
             phase = self._phase("intra reduce-scatter")
             self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
-            launch = lambda: _async(_reduce_scatter(shard, flat, group=g.intra, async_op=True), shard)
+            launch = lambda: _issue(_reduce_scatter, shard, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_reduce_scatter"
         else:
             shard = flat[lo : lo + shard_len]  # reduced in place by the node-wide all-reduce
             phase = self._phase("intra all-reduce")
             self.stats.record(INTRA, "all_reduce", L, flat.numel() * esize)
-            launch = lambda: _async(dist.all_reduce(flat, group=g.intra, async_op=True))
+            launch = lambda: _issue(dist.all_reduce, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_allreduce"
         try:
             first = launch()
@@ -253,13 +272,13 @@ class HierComm:
         first = span(span_name, self._chain(first, phase, tensor.device))
 
         def rail_leg() -> torch.futures.Future:
-            return _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+            return _issue(dist.all_reduce, shard, group=g.rail, what="inter all-reduce on the rail")
 
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         ar = span("hiersync/inter_allreduce", ar)
         done = self._gather_shards(flat, shard, shard_len, ar, "all-gather")
-        return after(done, lambda: flat if flat is tensor else flat[:n])
+        return after(done, lambda: flat if flat is tensor else flat[:n], tensor.device)
 
     def _gather_shards(
         self, padded: torch.Tensor, shard: torch.Tensor, shard_len: int, ready: torch.futures.Future, what: str
@@ -276,7 +295,7 @@ class HierComm:
             self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
 
             def launch() -> torch.futures.Future:
-                return _async(_all_gather(padded, shard, group=g.intra_late, async_op=True))
+                return _issue(_all_gather, padded, shard, group=g.intra_late, what=f"intra {what}")
 
             span_name = "hiersync/intra_all_gather"
         else:
@@ -288,10 +307,12 @@ class HierComm:
                 if shard.data_ptr() != padded[lo:].data_ptr():
                     padded[lo : lo + shard_len].copy_(shard)
                 futs = [
-                    _async(
-                        dist.broadcast(
-                            padded[r * shard_len : (r + 1) * shard_len], src=node[r], group=g.intra_late, async_op=True
-                        )
+                    _issue(
+                        dist.broadcast,
+                        padded[r * shard_len : (r + 1) * shard_len],
+                        src=node[r],
+                        group=g.intra_late,
+                        what=f"intra {what}",
                     )
                     for r in range(L)
                 ]
@@ -313,7 +334,7 @@ class HierComm:
             phase = self._phase("intra reduce to the node leader")
             self.stats.record(INTRA, "reduce", L, nbytes)
             try:
-                red = _async(dist.reduce(tensor, dst=leader, group=g.intra, async_op=True))
+                red = _issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
             except Exception as e:
                 raise wrap(e, phase) from e
             red = span("hiersync/intra_reduce", self._chain(red, phase, tensor.device))
@@ -322,7 +343,7 @@ class HierComm:
         if g.is_leader and topo.num_nodes > 1:
 
             def leaders_leg() -> torch.futures.Future:
-                return _async(dist.all_reduce(tensor, group=g.rail, async_op=True))
+                return _issue(dist.all_reduce, tensor, group=g.rail, what="inter all-reduce among leaders")
 
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
@@ -330,12 +351,12 @@ class HierComm:
         if L > 1:
 
             def bcast_leg() -> torch.futures.Future:
-                return _async(dist.broadcast(tensor, src=leader, group=g.intra_late, async_op=True))
+                return _issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what="intra broadcast")
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
             red = span("hiersync/intra_broadcast", red)
-        return after(red, lambda: tensor)
+        return after(red, lambda: tensor, tensor.device)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` with one all-reduce over the world (what DDP's default does)."""
@@ -385,16 +406,16 @@ class HierComm:
         phase = self._phase("inter parameter all-reduce on the rail")
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         try:
-            ar = _async(dist.all_reduce(shard, group=g.rail, async_op=True))
+            ar = _issue(dist.all_reduce, shard, group=g.rail, what=phase)
         except Exception as e:
             raise wrap(e, phase) from e
         ar = span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
         if L == 1:
-            return after(ar, lambda: flat.copy_(shard))
+            return after(ar, lambda: flat.copy_(shard), flat.device)
         done = self._gather_shards(padded, shard, shard_len, ar, "parameter gather")
         if padded is flat:
-            return after(done, lambda: flat)
-        return after(done, lambda: flat.copy_(padded[:n]))
+            return after(done, lambda: flat, flat.device)
+        return after(done, lambda: flat.copy_(padded[:n]), flat.device)
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups
@@ -408,16 +429,16 @@ class HierComm:
             phase = self._phase("inter parameter all-reduce among leaders")
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             try:
-                ready = self._chain(_async(dist.all_reduce(flat, group=g.rail, async_op=True)), phase, flat.device)
+                ready = self._chain(_issue(dist.all_reduce, flat, group=g.rail, what=phase), phase, flat.device)
             except Exception as e:
                 raise wrap(e, phase) from e
             ready = span("hiersync/inter_param_allreduce", ready)
         if L > 1:
 
             def bcast_leg() -> torch.futures.Future:
-                return _async(dist.broadcast(flat, src=node[0], group=g.intra_late, async_op=True))
+                return _issue(dist.broadcast, flat, src=node[0], group=g.intra_late, what="intra parameter broadcast")
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
             ready = span("hiersync/intra_param_broadcast", ready)
-        return after(ready, lambda: flat)
+        return after(ready, lambda: flat, flat.device)

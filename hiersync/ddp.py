@@ -41,7 +41,7 @@ from . import state_io
 from .collectives import HierComm
 from .config import HierConfig
 from .exact import ExactPolicy
-from .futures import HierSyncError, new_future, wait, when_all, wrap
+from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import Launched, ParamAverager
 from .stats import Stats
@@ -255,7 +255,7 @@ class HierState:
                     assert params is not None
                     launched = self.averager.launch(params)
             # Judge each bucket as soon as it is reduced (overlapping the rest of backward).
-            reduced = fut.then(_with_flag) if self.guard.enabled else fut.then(_without_flag)
+            reduced = then(fut, _with_flag if self.guard.enabled else _without_flag, buf.device, self._label())
             out = new_future(buf.device)
             self._buckets.append(_Bucket(reduced, launched, out))
         if bucket.is_last():
@@ -334,7 +334,7 @@ def _release(
             b.out.set_exception(err)
         return
     for b, (t, _) in zip(buckets, results):
-        b.out.set_result(t)
+        settle(b.out, t)
 
 
 def _check_usable(state: HierState) -> None:

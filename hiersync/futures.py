@@ -32,12 +32,16 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from . import emulation
+
 __all__ = [
     "HierSyncError",
     "new_future",
     "completed",
     "failed",
     "wait",
+    "settle",
+    "then",
     "wrap",
     "when_all",
     "forward",
@@ -93,9 +97,13 @@ def wait(fut: Future) -> Any:
     The only sanctioned way to read a result in hiersync. Raises a failed hiersync
     collective as :class:`HierSyncError`: torch re-wraps an error raised inside a ``then``
     callback into a plain ``RuntimeError`` whose text contains the original, so the
-    hiersync message and type are recovered here.
+    hiersync message and type are recovered here. Under ``HIERSYNC_EMULATE_NCCL=1`` this is
+    also where a poisoned result gets its true value (:mod:`hiersync.emulation`).
     """
     try:
+        pending = getattr(fut, emulation.ATTR, None)  # emulated NCCL mode (emulation.py)
+        if pending is not None:
+            pending.resolve()
         return fut.wait()
     except Exception as e:
         err = _recover(e)
@@ -115,6 +123,19 @@ def wrap(e: BaseException, phase: str) -> BaseException:
     return err
 
 
+def settle(fut: Future, value: Any, what: str = "a hiersync future") -> None:
+    """Complete ``fut`` with ``value`` (read through :func:`wait`): the only way hiersync
+    sets a result.
+
+    On CUDA ``fut`` is a device future, so its result is ready on the streams that waited
+    here and a consumer must :func:`wait` on ``fut`` in turn. Under emulated NCCL
+    (:mod:`hiersync.emulation`) ``value``'s tensors stay poisoned until it does.
+    """
+    if emulation.enabled():
+        emulation.hold(fut, value, what)
+    fut.set_result(value)
+
+
 def forward(src: Future, dst: Future, phase: str) -> None:
     """Complete ``dst`` with ``src``'s result (read through :func:`wait`) or its error."""
     try:
@@ -122,7 +143,7 @@ def forward(src: Future, dst: Future, phase: str) -> None:
     except Exception as e:
         dst.set_exception(wrap(e, phase))
     else:
-        dst.set_result(value)
+        settle(dst, value, phase)
 
 
 def when_all(futs: Sequence[Future], device: torch.device, phase: str) -> Future:
@@ -147,7 +168,7 @@ def when_all(futs: Sequence[Future], device: torch.device, phase: str) -> Future
         except Exception as e:
             out.set_exception(wrap(e, phase))
         else:
-            out.set_result(values)
+            settle(out, values, phase)
 
     def one_done(_: Future) -> None:
         with lock:
@@ -161,8 +182,29 @@ def when_all(futs: Sequence[Future], device: torch.device, phase: str) -> Future
     return out
 
 
-def after(fut: Future, value: Callable[[], Any]) -> Future:
-    """``fut.then(...)`` returning ``value()``, but re-raising ``fut``'s error first.
+def then(fut: Future, fn: Callable[[Future], Any], device: torch.device, phase: str = "") -> Future:
+    """A device future of ``fn(fut)``; ``fn`` must read ``fut`` through :func:`wait`.
+
+    Like ``fut.then(fn)``, but the result is set with :func:`settle` and an error raised by
+    ``fn`` (``fut``'s own, re-raised by ``wait``) fails the returned future as a
+    :class:`HierSyncError` naming ``phase``.
+    """
+    out = new_future(device)
+
+    def cb(f: Future) -> None:
+        try:
+            value = fn(f)
+        except Exception as e:
+            out.set_exception(wrap(e, phase or "a hiersync step"))
+        else:
+            settle(out, value, phase or "a hiersync future")
+
+    fut.add_done_callback(cb)
+    return out
+
+
+def after(fut: Future, value: Callable[[], Any], device: torch.device, phase: str = "") -> Future:
+    """A device future of ``value()``, evaluated once ``fut`` is done; ``fut``'s error first.
 
     A ``then`` callback runs even when its parent failed; one that ignored its argument
     would turn a failed collective into a silently wrong result.
@@ -172,7 +214,7 @@ def after(fut: Future, value: Callable[[], Any]) -> Future:
         wait(f)
         return value()
 
-    return fut.then(cb)
+    return then(fut, cb, device, phase)
 
 
 def span(name: str, fut: Future) -> Future:
@@ -185,7 +227,8 @@ def span(name: str, fut: Future) -> Future:
     if not torch.autograd._profiler_enabled():
         return fut
     with record_function(name) as rf:
-        return rf._call_end_callbacks_on_future(fut)
+        rf._call_end_callbacks_on_future(fut)  # ends the range when ``fut`` completes
+    return fut  # the same future: a derived one would bypass its consumer's wait
 
 
 class _SideStreams:

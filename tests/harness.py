@@ -41,3 +41,16 @@ def world1(tmp_path, monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(params=["as_is", pytest.param("emulated_nccl", marks=pytest.mark.nccl_emulation)])
+def nccl_mode(request, monkeypatch):
+    """Run a test as it is and again under emulated NCCL completion (hiersync.emulation).
+
+    Use it as ``pytestmark = pytest.mark.usefixtures("nccl_mode")``; the ranks inherit the
+    switch (``_launch.run_all`` passes ``HIERSYNC_EMULATE_NCCL`` on). ``pytest -m
+    nccl_emulation`` runs only the emulated variants.
+    """
+    if request.param == "emulated_nccl":
+        monkeypatch.setenv("HIERSYNC_EMULATE_NCCL", "1")
+    return request.param

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync.collectives import HierComm
+from hiersync.futures import wait
 
 
 # ---------------------------------------------------------------- models and data
@@ -119,7 +120,7 @@ def allreduce_sizes(sizes: list[int], dtype: str = "float32", intra_algorithm: s
         ref.div_(dist.get_world_size())
         futs.append((comm.allreduce(x), ref))  # several in flight at once, like DDP buckets
     for fut, ref in futs:
-        y = fut.wait()
+        y = wait(fut)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
         worst = max(worst, float((y - ref).abs().max()))
     return {"worst": worst, "count": len(sizes)}
@@ -128,13 +129,13 @@ def allreduce_sizes(sizes: list[int], dtype: str = "float32", intra_algorithm: s
 def stats_for_bucket(numel: int, intra_algorithm: str | None = None) -> dict:
     """Reduce one tensor of ``numel`` fp32 with the exact path and return the stats."""
     comm = HierComm(hiersync.Topology.detect().build_groups(), intra_algorithm=intra_algorithm)
-    comm.allreduce(torch.ones(numel)).wait()
+    wait(comm.allreduce(torch.ones(numel)))
     intra_only = torch.ones(numel)
     comm.stats.reset()
-    comm.allreduce(torch.ones(numel)).wait()
+    wait(comm.allreduce(torch.ones(numel)))
     exact = comm.stats.as_dict()
     comm.stats.reset()
-    comm.intra_allreduce(intra_only).wait()
+    wait(comm.intra_allreduce(intra_only))
     return {"exact": exact, "intra": comm.stats.as_dict()}
 
 
@@ -161,7 +162,7 @@ def allreduce_sizes_lowp(sizes: list[int], dtype: str) -> None:
         scale = x.double().abs()
         dist.all_reduce(scale)
         scale /= dist.get_world_size()
-        y = comm.allreduce(x).wait()
+        y = wait(comm.allreduce(x))
         assert y.dtype == dt
         # Divide, two partial sums and their rounding: each error is at most one unit
         # roundoff of a partial sum, and partial sums are bounded by the mean of |x|.
@@ -570,3 +571,34 @@ def bf16_autocast(period: int, steps: int) -> dict:
             o.zero_grad()
     diff = max(float((p - q).abs().max()) for p, q in zip(ddp.parameters(), ref.parameters()))
     return {"max_diff": diff}
+
+
+# ---------------------------------------------------------------- emulated NCCL
+def with_wait_skipped(module: str, caller: str, target: str, *args):
+    """Run ``target(*args)`` with one read of a collective's result put back *without* wait.
+
+    Every call of ``futures.wait`` made by the function named ``caller`` in ``module``
+    returns the future's value directly, the way the defects issue 9 fixed read results:
+    on NCCL that read races the collective. Under ``HIERSYNC_EMULATE_NCCL=1`` the value
+    is still poisoned, so the run must fail.
+    """
+    import importlib
+    import sys
+
+    mod = importlib.import_module(module)
+    real = mod.wait
+    skipped = [0]
+
+    def skipping(fut):
+        if sys._getframe(1).f_code.co_name == caller:
+            skipped[0] += 1
+            return fut.value()  # the defect: no wait
+        return real(fut)
+
+    mod.wait = skipping
+    try:
+        result = globals()[target](*args)
+    finally:
+        mod.wait = real
+    assert skipped[0], f"{module}.{caller} never called wait(): the site no longer exists"
+    return result

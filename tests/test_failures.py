@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 import ranks
-from harness import TOPOLOGIES, launch
+from harness import (
+    TOPOLOGIES,
+    launch,
+    nccl_mode,  # noqa: F401  (a fixture, used by name)
+)
 
 from hiersync._launch import run_all
 
@@ -31,6 +35,7 @@ def _check_survivors(outs, victim: int) -> None:
         assert "INTERNAL ASSERT" not in o.error and "please report a bug" not in o.error, o.error
 
 
+@pytest.mark.usefixtures("nccl_mode")
 @pytest.mark.parametrize("repeat", range(REPEATS))
 @pytest.mark.parametrize("die_at", [5, 7], ids=["local_step", "sync_step"])
 def test_dead_peer_with_many_buckets(die_at, repeat, tmp_path):
@@ -68,6 +73,7 @@ def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at, tmp_path):
             assert o.failed_at - t_die < 60, (o.rank, o.failed_at - t_die)
 
 
+@pytest.mark.usefixtures("nccl_mode")
 @pytest.mark.parametrize("mode", ["attached", "pure"])
 def test_grad_scaler_overflow_on_one_node(mode):
     # period 4: step 1 is local, step 3 a sync step; rank 1 (node 0) overflows at both
@@ -84,6 +90,7 @@ def test_grad_scaler_overflow_on_one_node(mode):
         assert r["stats"]["sync_steps"] == 2 and r["last_loss"] == r["last_loss"]  # trained on, finite
 
 
+@pytest.mark.usefixtures("nccl_mode")
 def test_bf16_autocast_matches_ddp():
     res = launch(ranks.bf16_autocast, TOPOLOGIES["2x2"], 1, 4)
     assert all(r["max_diff"] <= 1e-5 for r in res), res

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import ranks
-from harness import TOPOLOGIES, launch
+from harness import (
+    TOPOLOGIES,
+    launch,
+    nccl_mode,  # noqa: F401  (a fixture, used by name)
+)
+
+# Every test here runs twice: as is, and under emulated NCCL completion (harness.nccl_mode).
+pytestmark = pytest.mark.usefixtures("nccl_mode")
 
 ALL_VARIANTS = list(ranks.DDP_VARIANTS)
 

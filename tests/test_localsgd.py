@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import ranks
 import torch
-from harness import TOPOLOGIES, launch
+from harness import (
+    TOPOLOGIES,
+    launch,
+    nccl_mode,  # noqa: F401  (a fixture, used by name)
+)
+
+# Every test here runs twice: as is, and under emulated NCCL completion (harness.nccl_mode).
+pytestmark = pytest.mark.usefixtures("nccl_mode")
 
 CASES = {
     "pure": dict(mode="pure", period=3, warmup=2, steps=9),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import ranks
-from harness import TOPOLOGIES
+from harness import (
+    TOPOLOGIES,
+    nccl_mode,  # noqa: F401  (a fixture, used by name)
+)
 
 from hiersync._launch import run_all
 
@@ -59,6 +62,7 @@ def test_frozen_peer_times_out_instead_of_hanging(tmp_path):
         assert _seconds_to_fail(o, tmp_path) < TIMEOUT_S + MARGIN_S, (o.rank, o.elapsed_s)
 
 
+@pytest.mark.usefixtures("nccl_mode")
 @pytest.mark.parametrize("mode", ["attached", "pure", "overlap"])
 def test_nan_never_reaches_parameters(mode):
     # warmup 2 (exact), period 3: steps 2, 3 local, 4 sync, 5, 6 local, 7 sync
@@ -80,6 +84,7 @@ def test_nan_never_reaches_parameters(mode):
         assert res[0]["unchanged_on_skip"] == [True]  # a skipped update leaves parameters as they were
 
 
+@pytest.mark.usefixtures("nccl_mode")
 def test_nonfinite_raise_mode():
     from hiersync._launch import RankFailed, run
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 import ranks
-from harness import TOPOLOGIES, launch
+from harness import (
+    TOPOLOGIES,
+    launch,
+    nccl_mode,  # noqa: F401  (a fixture, used by name)
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+# Every test here runs twice: as is, and under emulated NCCL completion (harness.nccl_mode).
+pytestmark = pytest.mark.usefixtures("nccl_mode")
 
 EDGE_SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 1000, 1001, 9999, 10_000]
 
@@ -38,7 +45,7 @@ def test_low_precision_buckets_2x2(dtype):
     launch(ranks.allreduce_sizes_lowp, TOPOLOGIES["2x2"], [1, 5, 100, 1001], dtype)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     node_ids=st.lists(st.integers(min_value=0, max_value=2), min_size=2, max_size=4),
     sizes=st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=12),

@@ -118,6 +118,7 @@ def worker(config: dict) -> dict:
 
     import hiersync
     from hiersync.collectives import HierComm
+    from hiersync.futures import wait
 
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -145,7 +146,7 @@ def worker(config: dict) -> dict:
 
             def once(op: str = op, x: Any = x) -> None:  # bound now: called in this iteration only
                 if op == "two_level":
-                    comm.allreduce(x).wait()
+                    wait(comm.allreduce(x))
                 elif op == "two_level_bcast":
                     shards = x.view(L, -1)
                     dist.all_reduce(x, group=groups.intra)
