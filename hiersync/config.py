@@ -49,8 +49,11 @@ class HierConfig:
     """Steps between inter-node syncs (k); 1 = exact every step."""
     warmup_steps: int = 0
     """Steps at the start that use exact sync."""
-    overlap: bool = False
-    """Apply each sync one step late as a delta correction (needs an attached optimizer)."""
+    overlap: bool | int = False
+    """Apply each sync ``tau`` steps after its launch as a delta correction (needs an attached
+    optimizer): False/0 = blocking, True = 1, an int in 1..period-1. Stored as the int."""
+    fragments: int = 1
+    """Streaming: sync the parameters in this many fragments on staggered steps (schedule.py)."""
     compress: str | None = None
     """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits."""
     outer_lr: float | None = None
@@ -72,11 +75,21 @@ class HierConfig:
     schedule: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", Schedule(period=self.period, warmup_steps=self.warmup_steps))
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {self.overlap!r}")
+        schedule = Schedule(period=self.period, warmup_steps=self.warmup_steps, fragments=self.fragments)
+        object.__setattr__(self, "schedule", schedule)
+        if not isinstance(self.overlap, (bool, int)):
+            raise TypeError(f"overlap must be a bool or an int number of steps, got {self.overlap!r}")
         if self.overlap and self.period < 2:
-            raise ValueError(f"overlap=True needs period >= 2 (there is nothing to overlap at period={self.period})")
+            raise ValueError(
+                f"overlap={self.overlap} needs period >= 2 (there is nothing to overlap at period={self.period})"
+            )
+        tau = int(self.overlap)
+        if not 0 <= tau <= max(self.period - 1, 0):
+            raise ValueError(
+                f"overlap={self.overlap} must be between 1 and period - 1 = {self.period - 1} steps (a sync must "
+                "land before the same fragment syncs again), or False for blocking syncs"
+            )
+        object.__setattr__(self, "overlap", tau)
         _choice("compress", self.compress, COMPRESS)
         if self.compress == "none":
             object.__setattr__(self, "compress", None)

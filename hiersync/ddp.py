@@ -111,7 +111,7 @@ class HierState:
         self.averager = ParamAverager(
             comm, compress=_DTYPES[cfg.compress], outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum
         )
-        self.engine = CrossNodeSync(self.averager, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+        self.engine = CrossNodeSync(self.averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
         self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)
         self.step = 0
@@ -288,7 +288,7 @@ class HierState:
         if kind != EXACT:
             self._capture_pending = False  # every parameter has been seen on a non-exact step
         if kind == SYNC and self._optimizer is not None:
-            self.engine.mark_due()  # after optimizer.step(), or before the next forward if it is skipped
+            self.engine.mark_due(step)  # after optimizer.step(), or before the next forward if it is skipped
         self.step += 1
 
     # ------------------------------------------------------------------ optimizer and global hooks
@@ -303,7 +303,7 @@ class HierState:
         if not self._owner_checked:
             _check_optimizer_owns(optimizer, self.averager.params)
             self._owner_checked = True
-        self.engine.after_step()
+        self.engine.after_step(self.step)
 
     def _unhook_skip(self) -> None:
         if self._skip_hook is not None:
@@ -347,9 +347,12 @@ def _check_usable(state: HierState) -> None:
             "ranks): its subgroups died with that group. Build a new HierState (and register the hook "
             "again) after every init_process_group, e.g. after an elastic restart"
         )
-    if state.config.overlap and state._optimizer is None:
+    cfg = state.config
+    if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
         raise RuntimeError(
-            "HierState(overlap=True) needs an optimizer: call state.attach_optimizer(optimizer) before training"
+            f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after "
+            "optimizer.step(); call state.attach_optimizer(optimizer) before training (or hiersync.register(model, "
+            "optimizer, ...))"
         )
 
 

@@ -85,6 +85,9 @@ class Pending:
     snapshot: torch.Tensor | None
     launched: Launched | None
     correction: torch.Tensor | None = None
+    apply_at: int = 0
+    """Applied by the first ``after_step`` whose step count is at least this."""
+    fragment: int = 0
 
     def resolve(self, averager: ParamAverager) -> torch.Tensor:
         """Wait for the transfer and return the fp32 correction to add to the parameters."""

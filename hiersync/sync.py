@@ -16,9 +16,12 @@ same order.
 
 Example::
 
-    >>> engine = CrossNodeSync(averager, overlap=True, chunk_bytes=25 * 2**20)
-    >>> engine.mark_due(); engine.after_step()   # sync step: launched after optimizer.step()
-    >>> engine.after_step()                      # next step: the correction is applied
+    >>> engine = CrossNodeSync(averager, Schedule(period=4), overlap=1, chunk_bytes=25 * 2**20)
+    >>> engine.mark_due(3); engine.after_step(4)   # sync step 3: launched after optimizer.step()
+    >>> engine.after_step(5)                       # step 4: the correction is applied
+
+Streaming (``Schedule(fragments=F)``): only the fragments due after a step are averaged,
+each applied ``overlap`` steps after its launch; several may be in flight.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.profiler import record_function
 
 from .futures import wait
 from .localsgd import ParamAverager, Pending, chunk_by_bytes
+from .schedule import Schedule, fragment_layout
 
 __all__ = ["CrossNodeSync", "world_mean"]
 
@@ -40,14 +44,21 @@ logger = logging.getLogger(__name__)
 
 
 class CrossNodeSync:
-    """Blocking, overlapped and deferred cross-node parameter averages of one rank."""
+    """Blocking, overlapped, streaming and deferred cross-node parameter averages of one rank.
 
-    def __init__(self, averager: ParamAverager, *, overlap: bool, chunk_bytes: int) -> None:
+    ``schedule`` says which fragments sync after which step (one fragment, the whole
+    model, unless ``schedule.fragments > 1``); ``overlap`` is tau: 0 runs each average
+    blocking, tau >= 1 applies it ``tau`` steps after its launch.
+    """
+
+    def __init__(self, averager: ParamAverager, schedule: Schedule, *, overlap: int, chunk_bytes: int) -> None:
         self.averager = averager
-        self.overlap = overlap
+        self.schedule = schedule
+        self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
         self.pending: list[Pending] = []
-        self.due = False  # a sync step's backward ended; its average has not been launched
+        self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
+        self._layout: list[list[int]] | None = None
         self._forward_hook: Any = None
 
     @property
@@ -55,64 +66,99 @@ class CrossNodeSync:
         """Corrections launched or loaded but not applied yet."""
         return len(self.pending)
 
-    def mark_due(self) -> None:
-        """A sync step's backward ended: its average runs after ``optimizer.step()``."""
-        self.due = True
+    def layout(self) -> list[list[int]]:
+        """Registry positions of each fragment (computed once every parameter is registered)."""
+        if self._layout is None:
+            sizes = [p.numel() * 4 for p in self.averager.params]
+            self._layout = fragment_layout(sizes, self.schedule.fragments)
+        return self._layout
+
+    def mark_due(self, step: int) -> None:
+        """``step``'s backward ended and some fragment syncs after it: run after ``optimizer.step()``."""
+        fragments = self.schedule.fragments_due(step) if self.schedule.fragments > 1 else (0,)
+        if not fragments:
+            return
+        self.due = (step, fragments)
         if self._forward_hook is None:
             ref = weakref.ref(self)
             self._forward_hook = register_module_forward_pre_hook(lambda *_: _launch_owed(ref))
 
-    def after_step(self) -> None:
-        """Call after every ``optimizer.step()``: apply due corrections, then run a due sync."""
+    def after_step(self, steps_done: int) -> None:
+        """Call after every ``optimizer.step()`` (``steps_done``: backward passes completed):
+        apply the corrections that are due, then run the syncs due after this step."""
         self._unhook()
-        self.apply_pending()
-        sync, self.due = self.due, False
-        if not sync:
+        self.apply_pending(steps_done)
+        due, self.due = self.due, None
+        if due is None:
             return
+        step, fragments = due
         with torch.no_grad(), record_function("hiersync/sync_after_step"):
             if self.overlap:
-                self.launch_deferred()
+                self.launch_deferred(fragments, apply_at=step + 1 + self.overlap)
             else:
-                self.run_blocking()
+                self.run_blocking(fragments)
 
     def launch_owed(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, deferred."""
         self._unhook()
-        if not self.due:
+        if self.due is None:
             return
-        self.due = False
+        (step, fragments), self.due = self.due, None
         logger.info(
             "hiersync: optimizer.step() was skipped after a sync step%s (e.g. a GradScaler overflow); its "
             "cross-node average runs now and is applied after the next optimizer.step()",
             where,
         )
         with torch.no_grad(), record_function("hiersync/sync_deferred"):
-            self.launch_deferred()
+            self.launch_deferred(fragments, apply_at=step + 1 + max(self.overlap, 1))
 
     def close(self) -> None:
         """Drop syncs in flight and the forward pre-hook."""
         self._unhook()
-        self.pending, self.due = [], False
+        self.pending, self.due = [], None
 
     def _unhook(self) -> None:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
 
-    def run_blocking(self) -> None:
-        """Average every parameter across nodes now (chunked, all chunks in flight at once)."""
+    def _chunks(self, fragments: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+        """(fragment, registry positions) per transfer, in the same order on every rank."""
+        avg, out = self.averager, []
+        for f in fragments:
+            idx = self.layout()[f] if self.schedule.fragments > 1 else list(range(len(avg.params)))
+            sizes = [avg.params[i].numel() * 4 for i in idx]
+            out += [(f, [idx[j] for j in part]) for part in chunk_by_bytes(sizes, self.chunk_bytes)]
+        return out
+
+    def _settle_fragment(self, f: int) -> None:
+        """Apply what is still in flight for fragment ``f`` before it syncs again.
+
+        With tau <= period - 1 this happens only after skipped optimizer steps: a
+        fragment's next average needs the anchor its previous one sets.
+        """
+        if any(p.fragment == f for p in self.pending):
+            self.apply_pending(None, only=f)
+
+    def run_blocking(self, fragments: tuple[int, ...] = (0,)) -> None:
+        """Average ``fragments`` across nodes now (chunked, all chunks in flight at once)."""
         avg = self.averager
-        launched = [avg.launch([avg.params[i] for i in idx]) for idx in avg.chunks(self.chunk_bytes)]
+        for f in fragments:
+            self._settle_fragment(f)
+        launched = [avg.launch([avg.params[i] for i in idx]) for _, idx in self._chunks(fragments)]
         for job in launched:
             avg.write(job.indices, avg.complete(job))
 
     @torch.no_grad()
-    def launch_deferred(self) -> None:
-        """Launch the average of every parameter; apply it later as a delta correction."""
+    def launch_deferred(self, fragments: tuple[int, ...] = (0,), apply_at: int = 0) -> None:
+        """Launch the average of ``fragments``; apply it at ``apply_at`` as a delta correction."""
         avg = self.averager
-        for idx in avg.chunks(self.chunk_bytes):
+        for f in fragments:
+            self._settle_fragment(f)
+        for f, idx in self._chunks(fragments):
             snapshot = avg.flat(idx)
-            self.pending.append(Pending(idx, snapshot, avg.launch([avg.params[i] for i in idx], snapshot)))
+            launched = avg.launch([avg.params[i] for i in idx], snapshot)
+            self.pending.append(Pending(idx, snapshot, launched, apply_at=apply_at, fragment=f))
 
     def resolve_all(self) -> None:
         """Wait for every transfer in flight (their completion updates anchor and momentum)."""
@@ -120,16 +166,22 @@ class CrossNodeSync:
             p.resolve(self.averager)
 
     @torch.no_grad()
-    def apply_pending(self) -> None:
-        """Wait for and add every pending correction to the parameters.
+    def apply_pending(self, steps_done: int | None = None, only: int | None = None) -> None:
+        """Wait for and add the pending corrections due at ``steps_done`` (None: all of them;
+        ``only``: those of that fragment) to the parameters, in launch order.
 
         Checked first, all of them: a correction that does not fit the registered
         parameters raises ``ValueError`` and nothing is applied or dropped.
         """
-        if not self.pending:
+        due = [
+            p
+            for p in self.pending
+            if (steps_done is None or p.apply_at <= steps_done) and (only is None or p.fragment == only)
+        ]
+        if not due:
             return
         params = self.averager.params
-        for p in self.pending:
+        for p in due:
             bad = [i for i in p.indices if not 0 <= i < len(params)]
             expected = None if bad else sum(params[i].numel() for i in p.indices)
             got = p.correction.numel() if p.correction is not None else expected
@@ -140,8 +192,8 @@ class CrossNodeSync:
                     + (f" (no position {bad[0]})" if bad else f" holding {expected} values there")
                     + ": the checkpoint is from a different model"
                 )
-        pending, self.pending = self.pending, []
-        for p in pending:
+        self.pending = [p for p in self.pending if all(p is not d for d in due)]
+        for p in due:
             corr = p.resolve(self.averager)
             self.averager.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
 
@@ -152,15 +204,28 @@ class CrossNodeSync:
         return {
             "averager": self.averager.state(),
             "pending": [
-                {"indices": list(p.indices), "correction": p.resolve(self.averager).cpu()} for p in self.pending
+                {
+                    "indices": list(p.indices),
+                    "correction": p.resolve(self.averager).cpu(),
+                    "apply_at": p.apply_at,
+                    "fragment": p.fragment,
+                }
+                for p in self.pending
             ],
         }
 
     def load(self, averager_state: dict[str, Any], pending: list[dict[str, Any]]) -> None:
-        self.due = False
+        self.due = None
         self.averager.load(averager_state)
         self.pending = [
-            Pending(indices=list(p["indices"]), snapshot=None, launched=None, correction=p["correction"])
+            Pending(
+                indices=list(p["indices"]),
+                snapshot=None,
+                launched=None,
+                correction=p["correction"],
+                apply_at=int(p.get("apply_at", 0)),  # older checkpoints: at the next optimizer.step()
+                fragment=int(p.get("fragment", 0)),
+            )
             for p in pending
         ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -244,30 +245,67 @@ class Reference:
         self.mom = None
         self.pending = None
         self.max_delta = 0.0
+        # streaming: per-fragment anchor, momentum and corrections in flight
+        self.frag_anchor: dict[int, torch.Tensor] = {}
+        self.frag_mom: dict[int, torch.Tensor] = {}
+        self.in_flight: list[tuple[int, int, torch.Tensor]] = []  # (apply after step, fragment, correction)
 
-    def average(self) -> torch.Tensor:
-        params = list(self.m.parameters())
+    def average(self, params=None, anchor=None, mom=None):
+        """The new value of ``params`` (all by default): mean, or outer step; and the new momentum."""
+        whole = params is None
+        params = list(self.m.parameters()) if whole else params
+        anchor, mom = (self.anchor, self.mom) if whole else (anchor, mom)
         x = _flat(params)
         compress, outer = self.cfg.get("compress"), self.cfg.get("outer")
         if compress:
-            delta = (x - self.anchor).to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[compress])).float()
-            self.max_delta = max(self.max_delta, float((x - self.anchor).abs().max()))
+            delta = (x - anchor).to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[compress])).float()
+            self.max_delta = max(self.max_delta, float((x - anchor).abs().max()))
             dist.all_reduce(delta)
-            avg = self.anchor + delta / self.W
+            avg = anchor + delta / self.W
         else:
             avg = x.clone()
             dist.all_reduce(avg)
             avg /= self.W
         if outer:
             lr, mu = outer
-            g = self.anchor - avg
+            g = anchor - avg
             if mu:
-                self.mom = g.clone() if self.mom is None else self.mom.mul_(mu).add_(g)
-                g = g + mu * self.mom
-            avg = self.anchor - lr * g
-        if self.anchor is not None:
-            self.anchor = avg.clone()
-        return avg
+                mom = g.clone() if mom is None else mom.mul_(mu).add_(g)
+                g = g + mu * mom
+            avg = anchor - lr * g
+        if whole:
+            self.mom = mom
+            if self.anchor is not None:
+                self.anchor = avg.clone()
+            return avg
+        return avg, mom
+
+    def stream_after_step(self, step: int) -> None:
+        """Streaming, after ``optimizer.step()`` of ``step``: apply due corrections, then sync the
+        fragments whose turn it is (docs/design.md "Streaming"), written out by hand."""
+        k, F, tau, warm = self.cfg["period"], self.cfg["fragments"], self.cfg["tau"], self.cfg.get("warmup", 0)
+        params = list(self.m.parameters())
+        for _, f, corr in [job for job in self.in_flight if job[0] <= step]:
+            group = [params[i] for i in self.layout[f]]
+            _write(group, _flat(group) + corr)
+        self.in_flight = [job for job in self.in_flight if job[0] > step]
+        if step < warm:
+            return
+        for f in range(F):
+            if math.ceil((f + 1) * k / F) - 1 != (step - warm) % k:
+                continue
+            group = [params[i] for i in self.layout[f]]
+            if f not in self.frag_anchor and self.anchor is not None:
+                self.frag_anchor[f] = torch.cat(
+                    [self.anchor[self.offsets[i] : self.offsets[i + 1]] for i in self.layout[f]]
+                )
+            target, self.frag_mom[f] = self.average(group, self.frag_anchor.get(f), self.frag_mom.get(f))
+            if f in self.frag_anchor:
+                self.frag_anchor[f] = target.clone()
+            if tau == 0:
+                _write(group, target)
+            else:
+                self.in_flight.append((step + tau, f, target - _flat(group)))
 
     def step(self, step: int, kind: str, accum: int) -> None:
         mode = self.cfg["mode"]
@@ -284,6 +322,11 @@ class Reference:
                 p.grad /= self.L
         if kind != "exact" and self.anchor is None and (self.cfg.get("compress") or self.cfg.get("outer")):
             self.anchor = _flat(params)
+        if mode == "stream":
+            self.opt.step()
+            self.opt.zero_grad()
+            self.stream_after_step(step)
+            return
         if kind == "sync" and mode == "pure":
             _write(params, self.average())
         self.opt.step()
@@ -317,10 +360,12 @@ def localsgd_check(cfg: dict) -> dict:
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     ddp = DDP(model, **cfg.get("ddp", {}))
     outer = cfg.get("outer")
+    stream = mode == "stream"
     state = hiersync.HierState(
         period,
         warmup,
-        overlap=mode == "overlap",
+        overlap=cfg["tau"] if stream else mode == "overlap",
+        fragments=cfg.get("fragments", 1),
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
@@ -329,14 +374,30 @@ def localsgd_check(cfg: dict) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if mode != "pure":
         state.attach_optimizer(opt)
-    sched = Schedule(period, warmup)
+    sched = Schedule(period, warmup, cfg.get("fragments", 1))
     rank, W = dist.get_rank(), dist.get_world_size()
+    launches: list[tuple[int, list[int]]] = []  # (step, registry positions) of every cross-node average
+    if stream:
+        real_launch = state.averager.launch
+
+        def logged_launch(params, x=None):
+            launched = real_launch(params, x)
+            launches.append((state.step - 1, list(launched.indices)))
+            return launched
+
+        state.averager.launch = logged_launch
     same_node = [r for r in range(W) if topo.node_of(r) == topo.node_of(rank)]
     worst = 0.0
     nodes_differed = False
     for step in range(steps):
         kind = sched.kind(step)
         train(ddp, opt, 1, accum, start=step)
+        if stream and step == 0:
+            # the fragments, as model.parameters() indices (the hook's registry order -> the model's)
+            where = {id(p): j for j, p in enumerate(ddp.module.parameters())}
+            ref.layout = [[where[id(state.averager.params[i])] for i in frag] for frag in state.engine.layout()]
+            sizes = [p.numel() for p in ref.m.parameters()]
+            ref.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         ref.step(step, kind, accum)
         mine = _flat(ddp.parameters())
         everyone = [torch.empty_like(mine) for _ in range(W)]
@@ -346,7 +407,7 @@ def localsgd_check(cfg: dict) -> dict:
         if mode == "attached" and kind == "sync":
             for r in range(W):
                 assert torch.equal(everyone[r], mine), f"step {step} (sync): rank {r} != rank {rank}"
-        if kind == "local" and any(not torch.equal(everyone[r], mine) for r in range(W)):
+        if kind != "exact" and any(not torch.equal(everyone[r], mine) for r in range(W)):
             nodes_differed = True
         if step < warmup:
             train(plain, plain_opt, 1, accum, start=step)
@@ -368,6 +429,9 @@ def localsgd_check(cfg: dict) -> dict:
         "worst_vs_reference": worst,
         "max_delta": ref.max_delta,
         "nodes_differed": nodes_differed,
+        "launches": launches,
+        "layout": [list(f) for f in state.engine.layout()] if stream else None,
+        "num_params": len(state.averager.params),
         "param_scale": float(_flat(ddp.parameters()).abs().max()),
     }
 
@@ -379,7 +443,8 @@ def _build(cfg: dict):
     state = hiersync.HierState(
         cfg["period"],
         cfg.get("warmup", 0),
-        overlap=cfg["mode"] == "overlap",
+        overlap=cfg["tau"] if cfg["mode"] == "stream" else cfg["mode"] == "overlap",
+        fragments=cfg.get("fragments", 1),
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
@@ -454,7 +519,8 @@ def nan_check(mode: str, period: int, warmup: int, nan_steps: list[int], steps: 
     torch.manual_seed(0)
     ddp = DDP(Net())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, warmup_steps=warmup)
+    stream = dict(fragments=period, overlap=1) if mode == "stream" else {}
+    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, warmup_steps=warmup, **stream)
     sched = Schedule(period, warmup)
     unchanged_on_skip = []
     for step in range(steps):
@@ -525,7 +591,8 @@ def scaler_overflow(mode: str, period: int, inject: list[int], steps: int) -> di
     torch.manual_seed(0)
     ddp = DDP(Net(), bucket_cap_mb=0.0005)  # several buckets per step
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period)
+    stream = dict(fragments=4, overlap=1) if mode == "stream" else {}
+    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, **stream)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10_000)
     scales, losses = [], []
     for step in range(steps):

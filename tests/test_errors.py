@@ -45,7 +45,11 @@ def _step(ddp, opt=None) -> None:
         (dict(algorithm="ring"), ValueError, r"algorithm='ring' is not supported"),
         (dict(nonfinite="zero"), ValueError, r"nonfinite='zero' is not supported"),
         (dict(period=1, overlap=True), ValueError, "overlap=True needs period >= 2"),
-        (dict(overlap="yes"), TypeError, "overlap must be a bool"),
+        (dict(overlap="yes"), TypeError, "overlap must be a bool or an int"),
+        (dict(period=4, overlap=4), ValueError, r"overlap=4 must be between 1 and period - 1 = 3"),
+        (dict(period=4, overlap=-1), ValueError, r"overlap=-1 must be between 1 and period - 1"),
+        (dict(period=4, fragments=0), ValueError, r"fragments must be an int >= 1"),
+        (dict(period=1, fragments=2), ValueError, r"fragments=2 needs period >= 2"),
         (dict(outer_lr=-0.7), ValueError, "outer_lr must be a positive number"),
         (dict(outer_lr=0.7, outer_momentum=1.5), ValueError, r"outer_momentum must be in \[0, 1\), got 1.5"),
         (dict(outer_momentum=0.9), ValueError, "outer_momentum=0.9 needs outer_lr"),
@@ -79,7 +83,17 @@ def test_bad_node_ids_env(world1, monkeypatch, env, match):
 def test_overlap_without_attached_optimizer(world1):
     ddp = DDP(_model())
     ddp.register_comm_hook(HierState(period=2, overlap=True), hiersync.hook)
-    with pytest.raises(RuntimeError, match=r"overlap=True\) needs an optimizer: call state.attach_optimizer"):
+    with pytest.raises(
+        RuntimeError, match=r"overlap=1, fragments=1\) needs an optimizer: .*call state.attach_optimizer"
+    ):
+        _step(ddp)
+
+
+def test_streaming_without_attached_optimizer(world1):
+    # streaming runs after optimizer.step(): a pure-hook HierState cannot stream, and says so
+    ddp = DDP(_model())
+    ddp.register_comm_hook(HierState(period=2, fragments=2), hiersync.hook)
+    with pytest.raises(RuntimeError, match=r"fragments=2\) needs an optimizer: the sync runs after optimizer.step"):
         _step(ddp)
 
 
