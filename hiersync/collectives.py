@@ -417,6 +417,46 @@ class HierComm:
             return after(done, lambda: flat, flat.device)
         return after(done, lambda: flat.copy_(padded[:n]), flat.device)
 
+    def average_shard(self, shard: torch.Tensor) -> torch.futures.Future:
+        """Average this rank's shard of a node-sharded vector across nodes, on its rail.
+
+        The first half of :meth:`average_across_nodes` for callers that keep per-shard
+        state (:mod:`hiersync.shards`): ``shard`` is divided by the number of nodes and
+        all-reduced in place; the future holds it. Even nodes only.
+        """
+        N = self.topology.num_nodes
+        if N == 1:
+            return completed(shard, shard.device)
+        if not self.topology.even:
+            raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
+        shard.div_(N)
+        phase = self._phase("inter parameter all-reduce on the rail")
+        self.stats.record(INTER, "all_reduce", N, shard.numel() * shard.element_size())
+        try:
+            fut = _issue(dist.all_reduce, shard, group=self.groups.rail, what=phase)
+        except Exception as e:
+            raise wrap(e, phase) from e
+        fut = then(fut, lambda f: wait(f)[0], shard.device, phase)
+        return span("hiersync/inter_param_allreduce", fut)
+
+    def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
+        """All-gather the node's shards (``L * len(shard)`` values) into ``out``; the future holds it."""
+        L = self.groups.node_size
+        if L == 1:
+            out.copy_(shard)
+            return completed(out, out.device)
+        n = shard.numel()
+        if out.numel() != L * n:
+            raise ValueError(f"gather_node: out has {out.numel()} values, needs {L} x {n}")
+        if self.intra_algorithm == "rs_ag":
+            mine = shard
+        else:  # broadcasts: each rank's slice of ``out`` is the source of its own broadcast
+            lo = self.groups.local_rank * n
+            out[lo : lo + n].copy_(shard)
+            mine = out[lo : lo + n]
+        done = self._gather_shards(out, mine, n, completed(None, out.device), "parameter gather")
+        return after(done, lambda: out, out.device)
+
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups
         topo = self.topology

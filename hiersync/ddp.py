@@ -44,6 +44,7 @@ from .exact import ExactPolicy
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import Launched, ParamAverager
+from .shards import ShardedAverager
 from .stats import Stats
 from .sync import CrossNodeSync, world_mean
 from .topology import Topology, world_timeout
@@ -111,7 +112,10 @@ class HierState:
         self.averager = ParamAverager(
             comm, compress=_DTYPES[cfg.compress], outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum
         )
-        self.engine = CrossNodeSync(self.averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+        # After optimizer.step() a rank keeps the state of its 1/L shard only (shards.py); uneven nodes keep it whole.
+        sharded = self.topology.even and self.topology.num_nodes > 1
+        engine_averager = ShardedAverager(self.averager) if sharded else self.averager
+        self.engine = CrossNodeSync(engine_averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
         self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)
         self.step = 0
@@ -234,7 +238,8 @@ class HierState:
         # bucket.parameters() builds a Python list per call: fetch it only when needed (the
         # first step registers every parameter; later, only anchors and pure-hook syncs).
         pure_sync = kind == SYNC and self._optimizer is None
-        capture = kind != EXACT and self._capture_pending and self.averager.needs_anchor
+        # anchors: per bucket in the pure hook; with an attached optimizer the engine's (sharded) ones, at _end_step
+        capture = kind != EXACT and self._capture_pending and self.averager.needs_anchor and self._optimizer is None
         params = bucket.parameters() if (self._first_step or capture or pure_sync) else None
         if self._first_step:
             assert params is not None
@@ -285,7 +290,9 @@ class HierState:
         if self._first_step:
             self._first_step = False
             state_io.check_loaded_shapes(self)
-        if kind != EXACT:
+        if kind != EXACT and self._capture_pending:
+            if self._optimizer is not None and self.averager.needs_anchor:
+                self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
         if kind == SYNC and self._optimizer is not None:
             self.engine.mark_due(step)  # after optimizer.step(), or before the next forward if it is skipped

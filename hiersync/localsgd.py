@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -75,6 +76,14 @@ class Launched:
     indices: list[int]
     future: torch.futures.Future
     anchor: torch.Tensor | None
+    snapshot: torch.Tensor | None = None
+    """The values sent (fp32, before compression), kept when a correction will need them."""
+
+
+class Completes(Protocol):
+    """What :class:`Pending` needs: :class:`ParamAverager` or :class:`~hiersync.shards.ShardedAverager`."""
+
+    def complete(self, launched: Launched) -> torch.Tensor: ...
 
 
 @dataclass
@@ -89,7 +98,7 @@ class Pending:
     """Applied by the first ``after_step`` whose step count is at least this."""
     fragment: int = 0
 
-    def resolve(self, averager: ParamAverager) -> torch.Tensor:
+    def resolve(self, averager: Completes) -> torch.Tensor:
         """Wait for the transfer and return the fp32 correction to add to the parameters."""
         if self.correction is None:
             assert self.launched is not None and self.snapshot is not None
@@ -160,6 +169,10 @@ class ParamAverager:
             if i not in self.anchor:
                 self.anchor[i] = self.params[i].detach().float().clone()
 
+    def capture_chunks(self, chunks: Sequence[Sequence[int]]) -> None:
+        """:meth:`capture_anchor` for the parameters at the registry positions in ``chunks``."""
+        self.capture_anchor([self.params[i] for idx in chunks for i in idx])
+
     # ------------------------------------------------------------- averaging
     def flat(self, indices: list[int]) -> torch.Tensor:
         """A new fp32 vector of the parameters at registry positions ``indices``."""
@@ -174,26 +187,32 @@ class ParamAverager:
             )
         return torch.cat([self.anchor[i].reshape(-1) for i in indices])
 
-    def launch(self, params: Sequence[torch.Tensor], x: torch.Tensor | None = None) -> Launched:
+    def launch(self, params: Sequence[torch.Tensor], keep_snapshot: bool = False) -> Launched:
         """Start averaging ``params`` across nodes; :meth:`complete` gives the fp32 target.
 
         The target is the new value every rank will hold: the plain average, or the outer
         optimizer's step from the anchor. Nothing is written to the parameters: see
-        :meth:`write`. ``x``: the parameters as :meth:`flat` returns them, if the caller
-        has them already (it is left unchanged; the transfer then needs no second
-        flattening copy when compressed).
+        :meth:`write`. ``keep_snapshot``: keep the values sent (fp32) in the result, for a
+        delta correction applied later.
         """
         indices = self.register(params)
-        owned = x is None
-        if x is None:
-            x = self.flat(indices)
+        x = self.flat(indices)
         if self.compress is None:
-            payload = x if owned else x.clone()  # the transfer overwrites its payload
+            payload = x.clone() if keep_snapshot else x  # the transfer overwrites its payload
             anchor = self._flat_anchor(indices) if self.outer_lr is not None else None
         else:
             anchor = self._flat_anchor(indices)
             payload = (x - anchor).to(self.compress)
-        return Launched(indices, self.comm.average_across_nodes(payload), anchor)
+        snapshot = x if keep_snapshot else None
+        return Launched(indices, self.comm.average_across_nodes(payload), anchor, snapshot)
+
+    def part_numel(self, indices: Sequence[int]) -> int:
+        """Values in a target or correction for ``indices`` (this averager keeps them whole)."""
+        return sum(self.params[i].numel() for i in indices)
+
+    def part_of(self, indices: Sequence[int], whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole-vector correction (the whole vector here)."""
+        return whole
 
     def complete(self, launched: Launched) -> torch.Tensor:
         """Wait for ``launched`` and return its fp32 target; update anchor and momentum.

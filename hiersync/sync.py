@@ -37,6 +37,7 @@ from torch.profiler import record_function
 from .futures import wait
 from .localsgd import ParamAverager, Pending, chunk_by_bytes
 from .schedule import Schedule, fragment_layout
+from .shards import ShardedAverager
 
 __all__ = ["CrossNodeSync", "world_mean"]
 
@@ -51,7 +52,9 @@ class CrossNodeSync:
     blocking, tau >= 1 applies it ``tau`` steps after its launch.
     """
 
-    def __init__(self, averager: ParamAverager, schedule: Schedule, *, overlap: int, chunk_bytes: int) -> None:
+    def __init__(
+        self, averager: ParamAverager | ShardedAverager, schedule: Schedule, *, overlap: int, chunk_bytes: int
+    ) -> None:
         self.averager = averager
         self.schedule = schedule
         self.overlap = int(overlap)
@@ -156,9 +159,12 @@ class CrossNodeSync:
         for f in fragments:
             self._settle_fragment(f)
         for f, idx in self._chunks(fragments):
-            snapshot = avg.flat(idx)
-            launched = avg.launch([avg.params[i] for i in idx], snapshot)
-            self.pending.append(Pending(idx, snapshot, launched, apply_at=apply_at, fragment=f))
+            launched = avg.launch([avg.params[i] for i in idx], keep_snapshot=True)
+            self.pending.append(Pending(idx, launched.snapshot, launched, apply_at=apply_at, fragment=f))
+
+    def capture_anchor(self) -> None:
+        """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
+        self.averager.capture_chunks([idx for _, idx in self._chunks(tuple(range(self.schedule.fragments)))])
 
     def resolve_all(self) -> None:
         """Wait for every transfer in flight (their completion updates anchor and momentum)."""
@@ -180,11 +186,14 @@ class CrossNodeSync:
         ]
         if not due:
             return
-        params = self.averager.params
+        avg, params = self.averager, self.averager.params
         for p in due:
             bad = [i for i in p.indices if not 0 <= i < len(params)]
-            expected = None if bad else sum(params[i].numel() for i in p.indices)
+            whole = None if bad else sum(params[i].numel() for i in p.indices)
+            expected = None if bad else avg.part_numel(p.indices)
             got = p.correction.numel() if p.correction is not None else expected
+            if p.correction is not None and got == whole != expected:  # saved whole (older checkpoint)
+                p.correction, got = avg.part_of(p.indices, p.correction), expected
             if bad or got != expected:
                 raise ValueError(
                     f"hiersync pending correction for parameter positions {p.indices[:4]}... has {got} values "
@@ -194,8 +203,8 @@ class CrossNodeSync:
                 )
         self.pending = [p for p in self.pending if all(p is not d for d in due)]
         for p in due:
-            corr = p.resolve(self.averager)
-            self.averager.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
+            corr = p.resolve(avg)
+            avg.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:

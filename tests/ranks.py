@@ -378,14 +378,14 @@ def localsgd_check(cfg: dict) -> dict:
     rank, W = dist.get_rank(), dist.get_world_size()
     launches: list[tuple[int, list[int]]] = []  # (step, registry positions) of every cross-node average
     if stream:
-        real_launch = state.averager.launch
+        real_launch = state.engine.averager.launch
 
-        def logged_launch(params, x=None):
-            launched = real_launch(params, x)
+        def logged_launch(params, **kw):
+            launched = real_launch(params, **kw)
             launches.append((state.step - 1, list(launched.indices)))
             return launched
 
-        state.averager.launch = logged_launch
+        state.engine.averager.launch = logged_launch
     same_node = [r for r in range(W) if topo.node_of(r) == topo.node_of(rank)]
     worst = 0.0
     nodes_differed = False

@@ -1,0 +1,235 @@
+"""The local-SGD state of one rank, kept for its 1/L shard of each chunk only.
+
+The cross-node average is rail-sharded: in a node of L ranks, local rank ``l`` all-reduces
+shard ``l`` of each chunk across nodes, and the node assembles the result over its fast
+intra-node links. So a rank needs the fp32 anchor, the outer momentum, the snapshot of a
+sync in flight and the transfer payload for *its* shard only; the full vector exists only
+transiently, one chunk at a time, when the node gathers a finished target or correction
+into the parameters. Per rank that is ``2/L`` of the fp32 parameter bytes in steady state
+(anchor + momentum, only with ``compress`` or an outer step) plus ``2/L`` of the chunks in
+flight and one gathered chunk, instead of several full copies (docs/local-sgd.md,
+"Memory").
+
+A chunk is a tuple of registry positions (the sync engine's chunks: deterministic,
+identical on every rank). Its flat fp32 layout is the concatenation of those parameters;
+it is padded to ``L * s`` and rank ``l`` owns ``[l * s, (l + 1) * s)``.
+
+:class:`ShardedAverager` has the interface :class:`~hiersync.sync.CrossNodeSync` uses
+(``launch``, ``complete``, ``write``, ``part_numel``, ``state``, ``load``) and shares the
+parameter registry of a :class:`~hiersync.localsgd.ParamAverager`, whose per-parameter
+state the pure-hook path keeps using. Needs even nodes (uneven ones use the
+``ParamAverager`` itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .futures import wait
+from .localsgd import Launched, ParamAverager
+
+__all__ = ["ShardedAverager"]
+
+
+@dataclass
+class _Chunk:
+    indices: tuple[int, ...]
+    offsets: list[int]  # flat start of each parameter, plus the total
+    s: int  # shard length
+    lo: int  # this rank's shard starts here (flat coordinates)
+    anchor: torch.Tensor | None = None  # (s,) fp32
+    momentum: torch.Tensor | None = None  # (s,) fp32
+
+    @property
+    def n(self) -> int:
+        return self.offsets[-1]
+
+
+class ShardedAverager:
+    """Cross-node parameter averages whose state is this rank's shard of each chunk."""
+
+    def __init__(self, base: ParamAverager) -> None:
+        self.base = base
+        self.comm = base.comm
+        self.compress = base.compress
+        self.outer_lr = base.outer_lr
+        self.outer_momentum = base.outer_momentum
+        groups = base.comm.groups
+        self.L, self.local_rank = groups.node_size, groups.local_rank
+        self._chunks: dict[tuple[int, ...], _Chunk] = {}
+        self._loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
+        self._scratch: torch.Tensor | None = None  # one gathered chunk, reused
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.base.params
+
+    @property
+    def needs_anchor(self) -> bool:
+        return self.base.needs_anchor
+
+    # ------------------------------------------------------------- layout
+    def chunk(self, indices: Sequence[int]) -> _Chunk:
+        key = tuple(indices)
+        c = self._chunks.get(key)
+        if c is None:
+            offsets = [0]
+            for i in key:
+                offsets.append(offsets[-1] + self.params[i].numel())
+            s = -(-offsets[-1] // self.L)
+            c = self._chunks[key] = _Chunk(key, offsets, s, self.local_rank * s)
+            self._bind_loaded(c)
+        return c
+
+    def part_numel(self, indices: Sequence[int]) -> int:
+        """Values in this rank's part of a target or correction for ``indices``."""
+        return self.chunk(indices).s
+
+    def _shard_of(self, c: _Chunk, source: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's shard of the chunk, as a new fp32 vector (zero padding at the end).
+
+        ``source``: per-parameter tensors to read (default: the parameters themselves).
+        """
+        out = torch.zeros(c.s, dtype=torch.float32, device=self.params[c.indices[0]].device)
+        lo, hi = c.lo, min(c.lo + c.s, c.n)
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a < b:
+                t = (source[j] if source is not None else self.params[i]).detach().reshape(-1)
+                out[a - lo : b - lo].copy_(t[a - c.offsets[j] : b - c.offsets[j]])
+        return out
+
+    def part_of(self, indices: Sequence[int], whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole-vector target or correction for ``indices``."""
+        c = self.chunk(indices)
+        out = torch.zeros(c.s, dtype=torch.float32, device=whole.device)
+        hi = min(c.lo + c.s, c.n)
+        if hi > c.lo:
+            out[: hi - c.lo].copy_(whole.reshape(-1)[c.lo : hi])
+        return out
+
+    # ------------------------------------------------------------- anchors
+    def capture_chunks(self, chunks: Sequence[Sequence[int]]) -> None:
+        """Remember the current values as the anchor of every chunk that has none yet."""
+        if not self.needs_anchor:
+            return
+        for idx in chunks:
+            c = self.chunk(idx)
+            if c.anchor is None:
+                c.anchor = self._shard_of(c)
+
+    # ------------------------------------------------------------- averaging
+    def launch(self, params: Sequence[torch.Tensor], keep_snapshot: bool = False) -> Launched:
+        """Start averaging this rank's shard of ``params`` across nodes (on its rail)."""
+        c = self.chunk(self.base.register(params))
+        x = self._shard_of(c)
+        if self.needs_anchor and c.anchor is None:
+            raise RuntimeError(
+                f"hiersync has no anchor for the chunk of parameters {list(c.indices)[:5]}: the anchor is "
+                "captured on the first post-warmup step; was a checkpoint loaded without its hiersync state_dict?"
+            )
+        if self.compress is not None:
+            assert c.anchor is not None
+            payload = (x - c.anchor).to(self.compress)
+        else:
+            payload = x.clone() if keep_snapshot else x
+        future = self.comm.average_shard(payload)
+        return Launched(list(c.indices), future, c.anchor, snapshot=x if keep_snapshot else None)
+
+    def complete(self, launched: Launched) -> torch.Tensor:
+        """Wait for ``launched``; return this rank's shard of the fp32 target; update the state."""
+        c = self.chunk(launched.indices)
+        avg = wait(launched.future)
+        if self.compress is not None:
+            assert c.anchor is not None
+            avg = c.anchor + avg.float()
+        if self.outer_lr is not None:
+            assert c.anchor is not None
+            g = c.anchor - avg
+            if self.outer_momentum:
+                if c.momentum is None:
+                    c.momentum = torch.zeros_like(g)
+                c.momentum.mul_(self.outer_momentum).add_(g)
+                g = g + self.outer_momentum * c.momentum
+            avg = c.anchor - self.outer_lr * g
+        if self.needs_anchor:
+            if c.anchor is None:
+                c.anchor = avg.clone()
+            else:
+                c.anchor.copy_(avg)  # the persistent buffer, reused
+        return avg
+
+    @torch.no_grad()
+    def write(self, indices: list[int], flat: torch.Tensor, add: bool = False) -> None:
+        """Copy (or add) a target or correction into the parameters; collective in the node.
+
+        ``flat`` is this rank's shard; the node gathers the shards over its intra links.
+        """
+        c = self.chunk(indices)
+        self.base.write(list(c.indices), self._gather(c, flat)[: c.n], add=add)
+
+    def _gather(self, c: _Chunk, shard: torch.Tensor) -> torch.Tensor:
+        if self.L == 1:
+            return shard
+        need = c.s * self.L
+        if self._scratch is None or self._scratch.numel() < need or self._scratch.device != shard.device:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=shard.device)
+        full = self._scratch[:need]
+        return wait(self.comm.gather_node(full, shard.to(torch.float32)))
+
+    # ------------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        """The pure-hook per-parameter state plus this rank's shards (saved by every rank)."""
+        out = self.base.state()
+        out["shards"] = {
+            "local_rank": self.local_rank,
+            "node_size": self.L,
+            "chunks": [
+                {
+                    "indices": list(c.indices),
+                    "anchor": c.anchor.cpu() if c.anchor is not None else None,
+                    "momentum": c.momentum.cpu() if c.momentum is not None else None,
+                }
+                for c in self._chunks.values()
+                if c.anchor is not None or c.momentum is not None
+            ],
+        }
+        return out
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.base.load({k: v for k, v in state.items() if k != "shards"})
+        self._chunks.clear()
+        saved = state.get("shards")
+        self._loaded = []
+        if saved:
+            if (saved["local_rank"], saved["node_size"]) != (self.local_rank, self.L):
+                raise ValueError(
+                    f"this hiersync state_dict holds the shards of local rank {saved['local_rank']} of a "
+                    f"{saved['node_size']}-rank node, but this is local rank {self.local_rank} of {self.L}: every "
+                    "rank must save and load its own state.state_dict() (or call state.synchronize(model) and "
+                    "start a fresh HierState)"
+                )
+            self._loaded = list(saved["chunks"])
+
+    def _bind_loaded(self, c: _Chunk) -> None:
+        device = self.params[c.indices[0]].device
+        for saved in self._loaded:
+            if tuple(saved["indices"]) == c.indices:
+                for key in ("anchor", "momentum"):
+                    t = saved.get(key)
+                    if t is not None:
+                        if t.numel() != c.s:
+                            raise ValueError(
+                                f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
+                                f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
+                            )
+                        setattr(c, key, t.to(device=device, dtype=torch.float32))
+                return
+        # per-parameter state (a pure-hook or older checkpoint): take this rank's shard of it
+        for key, store in (("anchor", self.base.anchor), ("momentum", self.base.momentum)):
+            if all(i in store for i in c.indices):
+                setattr(c, key, self._shard_of(c, [store[i] for i in c.indices]).float())
