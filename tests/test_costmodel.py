@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import logging
 import math
 import subprocess
@@ -599,3 +600,184 @@ def test_importing_the_cost_model_loads_no_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- streaming (HierState(period=k, fragments=F, overlap=tau)) ---------------------------------
+
+
+def _a100(**kw):
+    base = dict(profile=cm.PRESETS["a100-1nic"], grad_bytes=14e9, bucket_bytes=25 * 2**20, backward_s=0.3, nodes=16)
+    return {**base, **kw}
+
+
+def _sync(profile, nbytes, nodes=16, lpn=8, ratio=1.0):
+    return cm.param_sync_time(
+        nbytes, nodes, lpn, profile.intra, profile.inter, profile.rails, profile.flat_algorithm,
+        compress_ratio=ratio, efficiency=profile.tree_efficiency, backend=profile.backend,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", [_emu(), _a100(), _a100(compute_s=0.35, compress_ratio=0.5)])
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_streaming_f1_reproduces_the_whole_model_placements_exactly(kw, k):
+    default = cm.step_time("hiersync", period=k, **kw)
+    assert default == cm.step_time("hiersync", period=k, placement="hook", fragments=1, overlap=0, **kw)
+    opt = cm.step_time("hiersync", period=k, placement="optimizer", **kw)
+    blocking = cm.step_time("hiersync", period=k, placement="optimizer", fragments=1, overlap=0, **kw)
+    overlap = cm.step_time("hiersync", period=k, placement="overlap", **kw)
+    tau1 = cm.step_time("hiersync", period=k, fragments=1, overlap=1, **kw)
+    assert blocking == opt and (tau1.step_s, tau1.exposed_s, tau1.comm_s) == (
+        overlap.step_s,
+        overlap.exposed_s,
+        overlap.comm_s,
+    )
+    # and both are the formulas the model had before streaming, bit for bit
+    local = cm.step_time("intra_only", **kw)
+    prof, nodes = kw["profile"], kw.get("nodes", kw["profile"].nodes)
+    sync = _sync(prof, kw["grad_bytes"], nodes, prof.ranks_per_node, kw.get("compress_ratio", 1.0))
+    compute = kw.get("compute_s") or kw["backward_s"]
+    assert opt.exposed_s == ((k - 1) * local.exposed_s + (local.exposed_s + sync)) / k
+    assert overlap.exposed_s == ((k - 1) * local.exposed_s + (local.exposed_s + max(0.0, sync - compute))) / k
+    assert opt.comm_s == ((k - 1) * local.comm_s + (sync + local.comm_s)) / k
+
+
+def test_pinned_numbers_from_before_streaming():
+    """Values step_time gave before streaming existed (commit 613a436), to the last bit."""
+    kw = _a100(compute_s=0.06, backward_s=0.05, bucket_bytes=100 * 2**20, grad_bytes=7e9)
+    st = cm.step_time("hiersync", period=4, placement="overlap", **kw)
+    assert (st.comm_s, st.exposed_s, st.step_s) == (0.3472698539777983, 0.2830188368349411, 0.3430188368349411)
+    st = cm.step_time("hiersync", period=8, placement="overlap", **dict(kw, nodes=2))
+    assert (st.comm_s, st.exposed_s) == (0.13466826981961139, 0.07791725267675424)
+
+
+def test_sync_stalls_by_hand():
+    stalls = cm.sync_stalls
+    # blocking: each fragment's copies and transfer exposed on its step (offsets ceil((f+1)k/F)-1)
+    assert cm.fragments_per_step(4, 2) == (0, 1, 0, 1) and cm.fragments_per_step(4, 8) == (2, 2, 2, 2)
+    assert cm.fragments_per_step(3, 5) == (1, 2, 2) and cm.fragments_per_step(4, 1) == (0, 0, 0, 1)
+    assert stalls(4, 2, 0, transfer_s=3.0, compute_s=1.0, copy_s=0.5) == (0.0, 3.5, 0.0, 3.5)
+    assert stalls(4, 8, 0, transfer_s=3.0, compute_s=1.0) == (6.0, 6.0, 6.0, 6.0)
+    # transfer larger than tau * compute: max(0, T - tau C) on the step that applies it
+    assert stalls(4, 1, 1, transfer_s=3.0, compute_s=1.0) == (2.0, 0.0, 0.0, 0.0)
+    assert stalls(4, 1, 2, transfer_s=3.0, compute_s=1.0) == (0.0, 1.0, 0.0, 0.0)
+    assert stalls(4, 2, 1, transfer_s=3.0, compute_s=1.0) == (2.0, 0.0, 2.0, 0.0)
+    assert stalls(4, 4, 1, transfer_s=3.0, compute_s=1.0) == (2.0, 2.0, 2.0, 2.0)
+    # transfer smaller than tau * compute: hidden
+    assert stalls(4, 4, 1, transfer_s=0.5, compute_s=1.0) == (0.0,) * 4
+    assert stalls(8, 8, 2, transfer_s=0.9, compute_s=1.0) == (0.0,) * 8
+    # launch copies are exposed on the launch step
+    assert stalls(2, 1, 1, transfer_s=0.5, compute_s=1.0, copy_s=0.1) == pytest.approx((0.0, 0.1))
+    # the channel is FIFO: T = 3 C every step with tau = 2 would hide 2 C of each transfer, but
+    # the channel needs 3 C per step, so the steps slow to its pace: 2 C exposed per step, not 1 C
+    assert stalls(4, 4, 2, transfer_s=3.0, compute_s=1.0) == pytest.approx((2.0,) * 4)
+    assert stalls(4, 4, 2, transfer_s=1.5, compute_s=1.0) == pytest.approx((0.5,) * 4)  # not 0
+    assert stalls(8, 8, 2, transfer_s=1.9, compute_s=1.0) == pytest.approx((0.9,) * 8)  # not 0
+
+
+def test_streaming_step_time_by_hand():
+    prof = cm.PRESETS["a100-1nic"]
+    local = cm.step_time("intra_only", **_a100())
+    frag = _sync(prof, 14e9 / 4)
+    # transfer (~0.57 s) larger than one step's compute (0.3 s): the rest is exposed on every step
+    st = cm.step_time("hiersync", period=4, fragments=4, overlap=1, **_a100())
+    assert frag > 0.3 and st.label == "hiersync k=4 F=4 tau=1" and (st.fragments, st.overlap) == (4, 1)
+    assert st.exposed_s == pytest.approx(local.exposed_s + (frag - 0.3), rel=1e-12)
+    assert st.exposed_peak_s == pytest.approx(st.exposed_s, rel=1e-12)
+    assert st.comm_s == pytest.approx(local.comm_s + frag, rel=1e-12)
+    # smaller than tau * compute (2 x 0.3 s at k=8, F=8): hidden, the step is intra-only's
+    frag8 = _sync(prof, 14e9 / 8)
+    hidden = cm.step_time("hiersync", period=8, fragments=8, overlap=2, **_a100())
+    assert frag8 < 0.6 and hidden.exposed_s == pytest.approx(local.exposed_s, rel=1e-12)
+    # blocking: the whole fragment exposed on each step that carries one
+    blocking = cm.step_time("hiersync", period=4, fragments=2, overlap=0, **_a100())
+    assert blocking.exposed_s == pytest.approx(local.exposed_s + 2 * _sync(prof, 7e9) / 4, rel=1e-12)
+    assert blocking.exposed_peak_s == pytest.approx(local.exposed_s + _sync(prof, 7e9), rel=1e-12)
+    # launch copies at a given per-byte cost
+    copies = cm.step_time("hiersync", period=4, fragments=4, overlap=1, copy_s_per_byte=1e-12, **_a100())
+    assert copies.exposed_s == pytest.approx(st.exposed_s + cm.SYNC_COPIES * 14e9 / 4 * 1e-12, rel=1e-9)
+
+
+def test_inter_bytes_per_step():
+    n, lpn = 14e9, 8
+    ddp = cm.step_time("ddp", **_a100())
+    assert ddp.inter_bytes_peak == ddp.inter_bytes_mean == pytest.approx(2 * 127 / 128 * n / lpn)
+    exact = cm.step_time("hiersync", **_a100())
+    assert exact.inter_bytes_peak == pytest.approx(2 * 15 / 16 * n / lpn)
+    whole = cm.step_time("hiersync", period=4, **_a100())
+    assert whole.inter_bytes_peak == pytest.approx(exact.inter_bytes_peak)
+    assert whole.inter_bytes_mean == pytest.approx(exact.inter_bytes_peak / 4)
+    for k in (2, 4, 8):
+        stream = cm.step_time("hiersync", period=k, fragments=k, overlap=1, **_a100())
+        whole = cm.step_time("hiersync", period=k, placement="optimizer", **_a100())
+        assert stream.inter_bytes_peak == pytest.approx(whole.inter_bytes_peak / k)
+        assert stream.inter_bytes_mean == pytest.approx(whole.inter_bytes_mean)
+    half = cm.step_time("hiersync", period=4, fragments=4, compress_ratio=0.5, **_a100())
+    assert half.inter_bytes_peak == pytest.approx(exact.inter_bytes_peak / 8)
+    assert cm.step_time("intra_only", **_a100()).inter_bytes_peak == 0.0
+    assert cm.step_time("hiersync", period=4, fragments=4, **_a100(nodes=1)).inter_bytes_peak == 0.0
+    assert cm.inter_bytes_per_rank("rail", 1e6, 2, 1) == pytest.approx(1e6)
+    with pytest.raises(ValueError, match="valid: rail, flat"):
+        cm.inter_bytes_per_rank("tree", 1e6, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(period=4, overlap=4), r"overlap=4 must be at most period - 1 = 3.*lower overlap or raise period"),
+        (dict(period=1, fragments=2), r"fragments=2, overlap=0 need period >= 2"),
+        (dict(period=4, overlap=-1), r"overlap must be False/0.*got -1"),
+        (dict(period=4, overlap=1.5), r"got 1.5"),
+        (dict(period=4, fragments=0), r"fragments must be >= 1"),
+        (dict(period=4, fragments=2, placement="hook"), r"not in the hook: pass placement=None"),
+        (dict(period=4, overlap=1, placement="optimizer"), r"placement='optimizer' is blocking but overlap=1"),
+        (dict(period=4, fragments=2, copy_s_per_byte=-1.0), r"copy_s_per_byte"),
+    ],
+)
+def test_streaming_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        cm.step_time("hiersync", **_emu(**kw))
+
+
+def test_streaming_only_for_hiersync():
+    with pytest.raises(ValueError, match="schedule='hiersync' only, not 'ddp'"):
+        cm.step_time("ddp", fragments=2, period=2, **_emu())
+    assert cm.step_time("hiersync", period=4, overlap=True, **_emu()).overlap == 1  # True means tau = 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    k=st.integers(2, 12),
+    frag=st.integers(1, 24),
+    transfer=st.floats(0.0, 5.0),
+    compute=st.floats(0.01, 2.0),
+    copy=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_more_overlap_never_exposes_more(k, frag, transfer, compute, copy):
+    frag = min(frag, 2 * k)
+    totals = [
+        sum(cm.sync_stalls(k, frag, tau, transfer_s=transfer, compute_s=compute, copy_s=copy)) for tau in range(k)
+    ]
+    assert all(b <= a + 1e-9 * (1 + a) for a, b in itertools.pairwise(totals))
+    # and no schedule beats the channel: a window lasts at least F transfers
+    assert all(t >= frag * transfer - k * compute - 1e-9 for t in totals[1:])
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(2, 16), f1=st.integers(1, 16), f2=st.integers(1, 16), nbytes=st.floats(1e3, 1e11))
+def test_more_fragments_never_raise_peak_bytes(k, f1, f2, nbytes):
+    """Up to k fragments (one per step) and in multiples of k, more fragments never raise the peak."""
+
+    def peak(f):
+        return max(cm.fragments_per_step(k, f)) * cm.inter_bytes_per_rank("rail", nbytes / f, 4, 8)
+
+    lo, hi = sorted((f1, f2))
+    if hi <= k:
+        assert peak(hi) <= peak(lo) * (1 + 1e-12)
+    assert peak(k * hi) <= peak(k * lo) * (1 + 1e-12) and peak(k * lo) <= peak(lo) * (1 + 1e-12)
+
+
+def test_uneven_fragments_above_k_can_raise_peak_bytes():
+    """F = 5 on k = 4 puts two fragments on one step: 2/5 of the model there, vs 1/4 with F = 4."""
+    f4 = cm.step_time("hiersync", period=4, fragments=4, **_a100())
+    f5 = cm.step_time("hiersync", period=4, fragments=5, **_a100())
+    assert f5.inter_bytes_peak == pytest.approx(f4.inter_bytes_peak * 4 * 2 / 5)

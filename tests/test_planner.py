@@ -108,3 +108,83 @@ def test_cli_plan_preset_and_profile(tmp_path, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "hiersync k=4 overlap" in out and "compute 270.0 ms" in out
+
+
+# --- streaming ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def a100_plan():
+    return make_plan(cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, bucket_mb=[25])
+
+
+def test_plan_recommends_fragments_and_overlap(a100_plan):
+    plan = a100_plan
+    # one slow NIC: k=8 in 8 fragments, each hidden behind a step: the step is intra-only's
+    assert (plan.period, plan.fragments, plan.overlap) == (8, 8, 1)
+    assert plan.recommended.schedule == "hiersync k=8 F=8 tau=1"
+    intra = next(r for r in plan.rows if r.period is None)
+    assert plan.recommended.step_s == pytest.approx(intra.step_s, rel=1e-3)
+    whole = next(r for r in plan.rows if r.schedule == "hiersync k=8")
+    assert plan.recommended.inter_bytes_peak == pytest.approx(whole.inter_bytes_peak / 8)
+    text = format_plan(plan)
+    assert "hiersync period=8, fragments=8, overlap=1 (after optimizer.step())" in text
+    assert "HierState(period=8, fragments=8, overlap=1) + state.attach_optimizer(optimizer)" in text
+    assert "peak_inter_MB" in text
+
+
+def test_streaming_grid_respects_its_bounds(a100_plan):
+    streams = [r for r in a100_plan.rows if " F=" in r.schedule]
+    assert sorted(r.period for r in streams) == [2, 4, 8]  # one preferred row per k > 1 and bucket
+    for r in streams:
+        assert r.period is not None and r.fragments <= 2 * r.period and r.overlap <= min(r.period - 1, 2)
+        assert r.schedule == f"hiersync k={r.period} F={r.fragments} tau={r.overlap}"
+
+
+def test_streaming_prefers_the_smallest_overlap_within_5_percent():
+    # k=4 on a100 x 16: tau=1 hides 0.3 s of a fragment's transfer, tau=2 0.6 s; tau=0 hides none
+    plan = make_plan(
+        cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, periods=[4], bucket_mb=[25]
+    )
+    row = next(r for r in plan.rows if " F=" in r.schedule)
+    grid = {
+        (f, t): cm.step_time(
+            "hiersync", profile=plan.profile, grad_bytes=14e9, bucket_bytes=25 * 2**20, backward_s=0.3,
+            period=4, fragments=f, overlap=t,
+        ).step_s
+        for f in (1, 2, 4, 8)
+        for t in (0, 1, 2)
+    }  # fmt: skip
+    best = min(grid.values())
+    assert row.step_s <= best * 1.05
+    assert all(grid[(f, t)] > best * 1.05 for (f, t) in grid if t < row.overlap)
+
+
+def test_no_streaming_rows_when_asked(a100_plan):
+    plain = make_plan(
+        cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, bucket_mb=[25], fragments=()
+    )
+    assert not [r for r in plain.rows if " F=" in r.schedule]
+    assert (plain.period, plain.fragments, plain.overlap) == (8, 1, 0)
+    assert [r for r in a100_plan.rows if " F=" not in r.schedule] == list(plain.rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match", [({"fragments": [0]}, "fragments must be ints >= 1"), ({"overlaps": [-1]}, "overlaps")]
+)
+def test_bad_streaming_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(cm.PRESETS["emulated"], params=1e6, backward_s=0.1, **kwargs)
+
+
+def test_cli_plan_shows_streaming(capsys):
+    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16", "--backward-ms", "300"]
+    assert cli.main([*argv, "--bucket-mb", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "hiersync k=8 F=8 tau=1" in out and "fragments=8, overlap=1" in out and "peak_inter_MB" in out
+    assert cli.main([*argv, "--bucket-mb", "25", "--fragments", "0"]) == 0
+    out = capsys.readouterr().out
+    assert " F=" not in out and "fragments=1, overlap=0 (placement hook)" in out
+    argv += ["--bucket-mb", "25", "--fragments", "4", "--overlap", "0", "--copy-gbps", "1500"]
+    assert cli.main(argv) == 0
+    assert "hiersync k=4 F=4 tau=0" in capsys.readouterr().out

@@ -35,3 +35,24 @@ def test_cli_writes_table_and_png(tmp_path, capsys):
     assert (tmp_path / "projection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "projection.csv").read_text().count("\n") == 4
     assert "| emulated | 8 | 1 |" in (tmp_path / "projection.md").read_text()
+
+
+def test_streaming_columns():
+    rows = project(["a100-1nic"], grad_bytes=14e9, backward_s=0.3, gpus=(8, 16, 128))
+    one, two, many = rows
+    assert one["step_k4_F4_tau1_ms"] == pytest.approx(one["step_k4_ms"], rel=1e-3)  # one node: nothing to stream
+    assert one["peak_ddp_MB"] == one["peak_k4_MB"] == one["peak_k4_F4_MB"] == 0.0
+    for row in (two, many):
+        assert row["step_k4_F4_tau1_ms"] < row["step_k4_ms"]  # a quarter of the sync per step, hidden 300 ms of it
+        assert row["peak_k4_F4_MB"] == pytest.approx(row["peak_k4_MB"] / 4)
+        assert row["mean_k4_MB"] == pytest.approx(row["peak_k4_F4_MB"])
+    # DDP's flat all-reduce: a node's NICs carry 2(p-1)/p n, 1/8 of it per rank
+    assert many["peak_ddp_MB"] == pytest.approx(2 * 127 / 128 * 14e9 / 8 / 2**20)
+    assert many["peak_k4_MB"] == pytest.approx(2 * 15 / 16 * 14e9 / 8 / 2**20)
+
+
+def test_cli_prints_streaming_columns(capsys):
+    argv = ["project", "--presets", "a100-1nic", "--max-gpus", "16", "--copy-gbps", "1500"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step_k4_F4_tau1_ms" in out and "peak_k4_F4_MB" in out and "| a100-1nic | 16 | 2 |" in out

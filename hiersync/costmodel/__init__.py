@@ -9,10 +9,12 @@ One idea per module:
   parameter average, and which exact path is faster;
 * :mod:`.profile`: cluster :class:`Profile` (JSON) and the published :data:`PRESETS`;
 * :mod:`.steptime`: the schedule simulator (:func:`step_time`);
+* :mod:`.streaming`: the period-k sync in F staggered fragments, each applied tau steps
+  after its launch (:func:`sync_stalls`), and inter-node bytes per step;
 * :mod:`.fit`: fitting alpha and beta to measurements (:func:`fit_link`);
 * :mod:`.planner` and :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
 
-Every public name of the first five is re-exported here, so ``from hiersync import
+Every public name of the first six is re-exported here, so ``from hiersync import
 costmodel as cm; cm.allreduce_time(...)`` is the way to use them.
 
 Example::
@@ -52,6 +54,13 @@ from .links import (
 )
 from .profile import PRESETS, PROFILE_FORMAT, Profile, get_preset, preset_for_backend
 from .steptime import PLACEMENTS, SCHEDULES, StepTime, simulate, step_time
+from .streaming import (
+    DEFAULT_COPY_S_PER_BYTE,
+    SYNC_COPIES,
+    fragments_per_step,
+    inter_bytes_per_rank,
+    sync_stalls,
+)
 
 __all__ = [
     "Link",
@@ -85,4 +94,9 @@ __all__ = [
     "choose_exact_algorithm",
     "INTRA_ALGORITHMS",
     "intra_algorithm_for_backend",
+    "SYNC_COPIES",
+    "DEFAULT_COPY_S_PER_BYTE",
+    "fragments_per_step",
+    "sync_stalls",
+    "inter_bytes_per_rank",
 ]

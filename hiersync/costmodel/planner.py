@@ -11,8 +11,8 @@ Example::
 
     >>> from hiersync.costmodel import PRESETS
     >>> plan = make_plan(PRESETS["a100-1nic"], params=7e9, backward_s=0.3)
-    >>> plan.helps, plan.period > 1
-    (True, True)
+    >>> plan.helps, plan.period > 1, plan.fragments >= 1, plan.overlap >= 0
+    (True, True, True, True)
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ HELPS_MUCH = 2.0
 # Recommend the smallest period within 5% of the best step time: larger k costs accuracy.
 NEAR_BEST = 1.05
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb default; preferred when times tie
+# Streaming grid (HierState(period=k, fragments=F, overlap=tau)): F <= 2k, tau <= k - 1.
+# Within 5% of the fastest, the smallest tau wins (a stale average costs accuracy).
+DEFAULT_FRAGMENTS = (1, 2, 4, 8)
+DEFAULT_OVERLAPS = (0, 1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +73,14 @@ class PlanRow:
     """Compute plus exposed communication."""
     speedup: float
     """Best DDP step time divided by this step time."""
+    fragments: int = 1
+    """Fragments of the period-k sync (streaming); 1 = the whole model at once."""
+    overlap: int = 0
+    """Steps between a sync's launch and its application (tau); 0 = blocking."""
+    inter_bytes_peak: float = 0.0
+    """Bytes one rank sends between nodes in its busiest step."""
+    inter_bytes_mean: float = 0.0
+    """Bytes one rank sends between nodes per step, on average."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +125,16 @@ class Plan:
     @property
     def period(self) -> int:
         return self.recommended.period or 1
+
+    @property
+    def fragments(self) -> int:
+        """``HierState(fragments=...)`` of the recommendation (1: no streaming)."""
+        return self.recommended.fragments
+
+    @property
+    def overlap(self) -> int:
+        """``HierState(overlap=...)`` of the recommendation (0: blocking)."""
+        return self.recommended.overlap
 
     @property
     def use_hiersync(self) -> bool:
@@ -174,11 +196,20 @@ def make_plan(
     bucket_mb: Sequence[float] = (1, 5, 25, 100),
     compress: str = "none",
     placement: str = "hook",
+    fragments: Sequence[int] = DEFAULT_FRAGMENTS,
+    overlaps: Sequence[int] = DEFAULT_OVERLAPS,
+    copy_s_per_byte: float = cm.DEFAULT_COPY_S_PER_BYTE,
 ) -> Plan:
-    """Model every schedule x bucket size and pick the bucket size and period to use.
+    """Model every schedule x bucket size and pick the bucket size, period and streaming to use.
 
     ``params`` is the parameter count (gradients are ``params * bytes(dtype)``);
     ``compress="bf16"`` halves fp32 sync traffic (no effect on 16-bit parameters).
+    ``placement``: where the whole-model period-k rows average. For every period k > 1
+    and bucket size the planner also searches streaming, ``HierState(period=k,
+    fragments=F, overlap=tau)`` for F in ``fragments`` with F <= 2k and tau in
+    ``overlaps`` with tau <= k - 1, and adds the row it prefers: within 5% of the
+    fastest, the smallest tau. ``fragments=()`` searches no streaming. ``copy_s_per_byte``:
+    see :func:`hiersync.costmodel.step_time`.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
@@ -190,6 +221,10 @@ def make_plan(
         raise ValueError(f"bucket sizes must be > 0 MB, got {list(bucket_mb)}")
     if not params > 0:
         raise ValueError(f"params must be > 0, got {params!r}")
+    if any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in fragments):
+        raise ValueError(f"fragments must be ints >= 1 (1 = whole model), got {list(fragments)}")
+    if fragments and (not overlaps or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in overlaps)):
+        raise ValueError(f"overlaps must be ints >= 0 (0 = blocking), got {list(overlaps)}; e.g. overlaps=(0, 1, 2)")
     profile = replace(
         profile,
         nodes=profile.nodes if nodes is None else nodes,
@@ -208,6 +243,10 @@ def make_plan(
         for k in periods:
             st = cm.step_time("hiersync", period=k, compress_ratio=ratio, placement=placement, **kw)
             raw.append((st.label, k, mb, st))
+        for k in periods:
+            if k > 1 and profile.nodes > 1 and fragments:
+                st = _streaming(k, fragments, overlaps, dict(kw, compress_ratio=ratio, copy_s_per_byte=copy_s_per_byte))
+                raw.append((f"hiersync k={k} F={st.fragments} tau={st.overlap}", k, mb, st))
         raw.append(("intra-only", None, mb, cm.step_time("intra_only", **kw)))
     best_ddp_step = min(st.step_s for name, _, _, st in raw if name == "ddp")
     rows = tuple(
@@ -219,6 +258,10 @@ def make_plan(
             exposed_s=st.exposed_s,
             step_s=st.step_s,
             speedup=best_ddp_step / st.step_s,
+            fragments=st.fragments,
+            overlap=st.overlap,
+            inter_bytes_peak=st.inter_bytes_peak,
+            inter_bytes_mean=st.inter_bytes_mean,
         )
         for name, k, mb, st in raw
     )
@@ -231,7 +274,9 @@ def make_plan(
     usable = [r for r in rows if r.period is not None]
     target = min(r.step_s for r in usable) * NEAR_BEST
     period = min(r.period for r in usable if r.period is not None and r.step_s <= target)
-    recommended = best([r for r in usable if r.period == period])
+    # at that period: the smallest overlap within reach, then the fastest
+    near = [r for r in usable if r.period == period and r.step_s <= target]
+    recommended = min(near, key=lambda r: (r.overlap, r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
 
     algo, eta = profile.flat_algorithm, profile.tree_efficiency
     links = (profile.intra, profile.inter, profile.rails)
@@ -262,6 +307,38 @@ def make_plan(
     )
 
 
+def _streaming(k: int, fragments: Sequence[int], overlaps: Sequence[int], kw: dict[str, Any]) -> cm.StepTime:
+    """The preferred streaming step at period ``k``: within 5% of the fastest, the smallest tau."""
+    grid = [
+        cm.step_time("hiersync", period=k, fragments=f, overlap=t, placement="overlap" if t else "optimizer", **kw)
+        for f in sorted(set(fragments))
+        if f <= 2 * k
+        for t in sorted(set(overlaps))
+        if t <= k - 1
+    ]
+    if not grid:  # every F > 2k or every tau > k - 1: the nearest point
+        f, t = min(fragments), min(min(overlaps), k - 1)
+        grid = [
+            cm.step_time("hiersync", period=k, fragments=f, overlap=t, placement="overlap" if t else "optimizer", **kw)
+        ]
+    target = min(st.step_s for st in grid) * NEAR_BEST
+    return min((st for st in grid if st.step_s <= target), key=lambda st: (st.overlap, st.step_s, st.fragments))
+
+
+def _hierstate(plan: Plan) -> str:
+    """The ``HierState`` call of the recommendation."""
+    rec = plan.recommended
+    if rec.period == 1:
+        return "HierState(period=1)"
+    args = f"period={rec.period}"
+    if rec.fragments > 1:
+        args += f", fragments={rec.fragments}"
+    if rec.overlap:
+        args += f", overlap={rec.overlap}"
+    after_step = rec.fragments > 1 or rec.overlap > 0 or plan.placement != "hook"
+    return f"HierState({args})" + (" + state.attach_optimizer(optimizer)" if after_step else "")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a fixed-width text table with a recommendation and a verdict."""
     p = plan.profile
@@ -275,23 +352,31 @@ def format_plan(plan: Plan) -> str:
         f"flat all-reduce: {p.flat_algorithm}; sync placement: {plan.placement}; "
         f"sync bytes x{plan.compress_ratio:g}",
         "",
-        f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8}",
+        f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
+        f"{'peak_inter_MB':>13}",
     ]
     for r in plan.rows:
         mark = "  <- recommended" if r is plan.recommended else ""
         lines.append(
             f"{r.schedule:<26} {r.bucket_mb:>9g} {r.comm_s * 1e3:>11,.1f} {r.exposed_s * 1e3:>11,.1f} "
-            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x{mark}"
+            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{mark}"
         )
     rec = plan.recommended
-    if plan.use_hiersync:
-        how = f"hiersync period={plan.period}" + ("" if rec.period == 1 else f" (placement {plan.placement})")
-    else:
+    if not plan.use_hiersync:
         how = "plain DDP (exact all-reduce)"
+    elif rec.period == 1:
+        how = "hiersync period=1 (exact two-level all-reduce)"
+    else:
+        where = "after optimizer.step()" if rec.fragments > 1 or rec.overlap else f"placement {plan.placement}"
+        how = f"hiersync period={rec.period}, fragments={rec.fragments}, overlap={rec.overlap} ({where})"
     lines += [
         "",
         f"recommend: bucket_cap_mb={plan.bucket_cap_mb:g}, {how}: step {_ms(rec.step_s)}, "
-        f"{rec.speedup:.2f}x vs best DDP ({_ms(plan.best_ddp.step_s)} at {plan.best_ddp.bucket_mb:g} MB)",
+        f"{rec.speedup:.2f}x vs best DDP ({_ms(plan.best_ddp.step_s)} at {plan.best_ddp.bucket_mb:g} MB); "
+        f"peak {rec.inter_bytes_peak / MiB:,.1f} MB between nodes per rank per step (DDP "
+        f"{plan.best_ddp.inter_bytes_peak / MiB:,.1f} MB)" + (f"; {_hierstate(plan)}" if plan.use_hiersync else ""),
+        "peak_inter_MB: bytes one rank sends between nodes in its busiest step (MiB); streaming rows "
+        "(F fragments, applied tau steps after launch) run after optimizer.step()",
         f"bound: one inter-node sync moves >= 2(N-1)/N * n bytes per node through "
         f"{_nics(min(rails, p.ranks_per_node))}: >= {_ms(plan.inter_bound_s)}",
         f"verdict: {plan.verdict}",
@@ -343,6 +428,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
     )
+    parser.add_argument(
+        "--fragments",
+        type=lambda s: _list(int, s),
+        default=list(DEFAULT_FRAGMENTS),
+        help="streaming fragments F to search, F <= 2k (default 1,2,4,8; 0 = no streaming)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=lambda s: _list(int, s),
+        default=list(DEFAULT_OVERLAPS),
+        help="streaming overlaps tau to search, tau <= k-1 (default 0,1,2)",
+    )
+    parser.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=0.0,
+        help="speed of the sync's launch copies in GB/s (default 0 = copies free; e.g. 1500 for H100 HBM)",
+    )
+
+
+def copy_s_per_byte(gbps: float) -> float:
+    """``--copy-gbps`` as seconds per byte; 0 means copies are free."""
+    if not gbps >= 0:
+        raise ValueError(f"--copy-gbps must be >= 0 (0 = copies free), got {gbps!r}")
+    return 1 / (gbps * 1e9) if gbps > 0 else 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,6 +468,9 @@ def run(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         compress=args.compress,
         placement=args.placement,
+        fragments=[f for f in args.fragments if f != 0],
+        overlaps=args.overlap,
+        copy_s_per_byte=copy_s_per_byte(args.copy_gbps),
     )
     print(format_plan(plan))
     return 0

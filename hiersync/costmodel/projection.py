@@ -1,9 +1,11 @@
 """``python -m hiersync project``: predicted all-reduce and step times from 8 to 1024 GPUs.
 
 For each preset and cluster size (8 GPUs per node by default) it tabulates the flat ring,
-the flat tree and hiersync's two-level all-reduce of one message, and the step time of
-DDP (ring, tree), hiersync k=1 (two-level) and hiersync k=2/4/8. ``--out DIR`` writes
-``projection.csv``, ``projection.md`` and ``projection.png`` atomically.
+the flat tree and hiersync's two-level all-reduce of one message, the step time of
+DDP (ring, tree), hiersync k=1 (two-level), hiersync k=2/4/8 and streaming hiersync
+(``HierState(period=4, fragments=4, overlap=1)``), and the bytes one rank sends between
+nodes in its busiest step (DDP, k=4 whole-model, k=4 streaming) and on average (k=4).
+``--out DIR`` writes ``projection.csv``, ``projection.md`` and ``projection.png`` atomically.
 
 Example::
 
@@ -28,7 +30,7 @@ from typing import Any
 from hiersync import costmodel as cm
 from hiersync.vocab import MiB
 
-from .planner import DTYPE_BYTES
+from .planner import DTYPE_BYTES, copy_s_per_byte
 
 __all__ = ["COLUMNS", "project", "to_csv", "to_markdown", "plot", "add_arguments", "run"]
 
@@ -43,8 +45,18 @@ STEP_COLUMNS = {
     "step_k2_ms": "hiersync k=2",
     "step_k4_ms": "hiersync k=4",
     "step_k8_ms": "hiersync k=8",
+    "step_k4_F4_tau1_ms": "hiersync k=4 F=4 tau=1",
 }
-COLUMNS = ("preset", "gpus", "nodes", *ALLREDUCE_COLUMNS, *STEP_COLUMNS)
+STREAMING = {"period": 4, "fragments": 4, "overlap": 1}
+"""The streaming configuration of the ``step_k4_F4_tau1_ms`` and ``peak_k4_F4_MB`` columns."""
+BYTES_COLUMNS = {
+    "peak_ddp_MB": "DDP, busiest step",
+    "peak_k4_MB": "hiersync k=4, busiest step",
+    "peak_k4_F4_MB": "hiersync k=4 F=4 tau=1, busiest step",
+    "mean_k4_MB": "hiersync k=4, per step on average (whole-model or streaming)",
+}
+"""Bytes (MiB) one rank sends between nodes per step (bandwidth-optimal accounting)."""
+COLUMNS = ("preset", "gpus", "nodes", *ALLREDUCE_COLUMNS, *STEP_COLUMNS, *BYTES_COLUMNS)
 
 
 def project(
@@ -58,8 +70,13 @@ def project(
     bucket_bytes: float = 25 * MiB,
     compress_ratio: float = 1.0,
     placement: str = "hook",
+    copy_s_per_byte: float = cm.DEFAULT_COPY_S_PER_BYTE,
 ) -> list[dict[str, Any]]:
-    """One row per preset x GPU count; times in milliseconds (see :data:`COLUMNS`)."""
+    """One row per preset x GPU count; times in milliseconds, bytes in MiB (see :data:`COLUMNS`).
+
+    ``placement`` applies to the whole-model k=2/4/8 columns; the streaming column runs
+    after ``optimizer.step()`` (:data:`STREAMING`), its copies at ``copy_s_per_byte``.
+    """
     rows = []
     for name in presets:
         base = cm.get_preset(name)
@@ -79,11 +96,26 @@ def project(
             kw: dict[str, Any] = dict(
                 profile=profile, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, backward_s=backward_s
             )
-            row["step_ring_ms"] = cm.step_time("ddp", algorithm="ring", **kw).step_s * 1e3
+            ddp = cm.step_time("ddp", algorithm="ring", **kw)
+            row["step_ring_ms"] = ddp.step_s * 1e3
             row["step_tree_ms"] = cm.step_time("ddp", algorithm="tree", **kw).step_s * 1e3
             for k in (1, 2, 4, 8):
                 st = cm.step_time("hiersync", period=k, compress_ratio=compress_ratio, placement=placement, **kw)
                 row[f"step_k{k}_ms"] = st.step_s * 1e3
+                if k == STREAMING["period"]:
+                    row["peak_k4_MB"], row["mean_k4_MB"] = st.inter_bytes_peak / MiB, st.inter_bytes_mean / MiB
+            stream = cm.step_time(
+                "hiersync",
+                period=STREAMING["period"],
+                fragments=STREAMING["fragments"],
+                overlap=STREAMING["overlap"],
+                compress_ratio=compress_ratio,
+                copy_s_per_byte=copy_s_per_byte,
+                **kw,
+            )
+            row["step_k4_F4_tau1_ms"] = stream.step_s * 1e3
+            row["peak_ddp_MB"] = ddp.inter_bytes_peak / MiB
+            row["peak_k4_F4_MB"] = stream.inter_bytes_peak / MiB
             rows.append(row)
     return rows
 
@@ -159,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gpus", type=int, default=1024, help="largest cluster (default 1024)")
     parser.add_argument("--compress", choices=["none", "bf16"], default="none", help="16-bit sync deltas")
     parser.add_argument("--placement", choices=list(cm.PLACEMENTS), default="hook", help="period-k sync placement")
+    parser.add_argument(
+        "--copy-gbps", type=float, default=0.0, help="speed of the streaming launch copies, GB/s (default 0 = free)"
+    )
     parser.add_argument("--out", metavar="DIR", help="write projection.{csv,md,png} here")
 
 
@@ -181,10 +216,12 @@ def run(args: argparse.Namespace) -> int:
         bucket_bytes=args.bucket_mb * MiB,
         compress_ratio=1.0 if args.compress == "none" else min(1.0, 2 / DTYPE_BYTES[args.dtype]),
         placement=args.placement,
+        copy_s_per_byte=copy_s_per_byte(args.copy_gbps),
     )
     caption = (
         f"{args.params:g} params {args.dtype} ({grad_bytes / 1e9:g} GB), backward {args.backward_ms:g} ms, "
-        f"bucket {args.bucket_mb:g} MB, all-reduce of {args.message_mb:g} MB, {args.gpus_per_node} GPUs/node"
+        f"bucket {args.bucket_mb:g} MB, all-reduce of {args.message_mb:g} MB, {args.gpus_per_node} GPUs/node; "
+        f"*_MB: MiB one rank sends between nodes per step"
     )
     table = to_markdown(rows)
     print(caption)

@@ -9,9 +9,10 @@ the formulas of :mod:`.links` and :mod:`.hierarchy`. Pure: no torch.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,15 @@ from .hierarchy import (
     param_sync_time,
     two_level_stages,
 )
-from .links import allreduce_time, check_count, check_number
+from .links import Link, allreduce_time, check_count, check_number
+from .streaming import (
+    DEFAULT_COPY_S_PER_BYTE,
+    SYNC_COPIES,
+    check_streaming,
+    fragments_per_step,
+    inter_bytes_per_rank,
+    sync_stalls,
+)
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -53,6 +62,17 @@ class StepTime:
     """``compute_s + exposed_s``."""
     num_buckets: int
     """Gradient buckets per step."""
+    exposed_peak_s: float = 0.0
+    """Exposed communication of the slowest step of the period (``exposed_s`` is the mean)."""
+    inter_bytes_peak: float = 0.0
+    """Bytes a rank sends between nodes in its busiest step (bandwidth-optimal accounting,
+    as ``HierState.stats.bytes_sent["inter"]``; an overlapped sync counts on its launch step)."""
+    inter_bytes_mean: float = 0.0
+    """Bytes a rank sends between nodes per step, averaged over the period."""
+    fragments: int = 1
+    """Fragments of the period-k sync (streaming); 1 = the whole model at once."""
+    overlap: int = 0
+    """Steps between a sync's launch and its application (tau); 0 = blocking."""
 
 
 def bucket_sizes(grad_bytes: float, bucket_bytes: float) -> list[float]:
@@ -102,12 +122,15 @@ def step_time(
     backward_s: float,
     period: int = 1,
     compress_ratio: float = 1.0,
-    placement: str = "hook",
+    placement: str | None = None,
     compute_s: float | None = None,
     nodes: int | None = None,
     ranks_per_node: int | None = None,
     algorithm: str | None = None,
     intra_algorithm: str | None = None,
+    fragments: int = 1,
+    overlap: int | bool = 0,
+    copy_s_per_byte: float = DEFAULT_COPY_S_PER_BYTE,
 ) -> StepTime:
     """Predict per-step communication and exposed time of one schedule.
 
@@ -116,21 +139,48 @@ def step_time(
     parameter average every k-th step, amortized) or ``"intra_only"`` (never across
     nodes: the k -> infinity bound). Buckets of ``bucket_bytes`` become ready uniformly
     during ``backward_s``, in order; the collectives of one process group run one at a
-    time, first in first out. ``placement`` of the period-k average: ``"hook"`` (bucket by
-    bucket inside the sync step's backward), ``"optimizer"`` (after ``optimizer.step()``,
-    fully exposed) or ``"overlap"`` (hidden behind the next step's ``compute_s``).
-    ``compute_s`` defaults to ``backward_s``. ``algorithm`` (``"ring"``, ``"tree"``,
-    ``"auto"``) is the flat all-reduce and the rail all-reduce; default
+    time, first in first out. ``placement`` of the period-k average: ``"hook"`` (the
+    default: bucket by bucket inside the sync step's backward), ``"optimizer"`` (after
+    ``optimizer.step()``, fully exposed) or ``"overlap"`` (hidden behind the next step's
+    ``compute_s``). ``compute_s`` defaults to ``backward_s``. ``algorithm`` (``"ring"``,
+    ``"tree"``, ``"auto"``) is the flat all-reduce and the rail all-reduce; default
     ``profile.flat_algorithm``. ``intra_algorithm`` (``"rs_ag"``, ``"allreduce_bcast"``) is
     how the two-level all-reduce and the parameter average reduce and gather inside the
     node; default :attr:`Profile.intra_algorithm` (by backend, as ``HierComm`` picks).
     ``nodes`` / ``ranks_per_node`` override the profile's. Warmup steps are not modelled.
+
+    Streaming (``HierState(period=k, fragments=F, overlap=tau)``, :mod:`.streaming`):
+    ``fragments=F`` fragments sync on staggered steps after ``optimizer.step()``, each
+    applied ``overlap=tau`` steps after its launch (0: blocking; True: 1). Either one
+    places the average after the optimizer step (``placement`` None, ``"optimizer"`` for
+    tau = 0 or ``"overlap"``; ``"overlap"`` alone means tau = 1). ``fragments=1,
+    overlap=0`` with ``placement="optimizer"`` is the blocking whole-model average,
+    ``overlap=1`` the ``"overlap"`` placement. ``copy_s_per_byte``: cost of the
+    ``SYNC_COPIES`` copies of each fragment per launch, exposed (default 0: free).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if placement not in PLACEMENTS:
+    if placement is not None and placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; valid: {', '.join(PLACEMENTS)}")
     check_count("period", period)
+    n_frag, tau = check_streaming(period, fragments, overlap)
+    streaming = n_frag > 1 or tau > 0
+    if streaming and schedule != "hiersync":
+        raise ValueError(f"fragments={n_frag}, overlap={tau} apply to schedule='hiersync' only, not {schedule!r}")
+    if streaming and placement == "hook":
+        raise ValueError(
+            f"fragments={n_frag}, overlap={tau} run the average after optimizer.step() (an attached optimizer), "
+            f"not in the hook: pass placement=None, 'optimizer' (overlap=0) or 'overlap'"
+        )
+    if placement == "optimizer" and tau > 0:
+        raise ValueError(f"placement='optimizer' is blocking but overlap={tau}; pass placement='overlap' or None")
+    if placement == "overlap" and tau == 0:
+        tau = 1  # the whole-model overlap placement: applied one step after its launch
+    # today's labels for the whole-model placements; "F=.. tau=.." when streaming was asked for
+    suffix = f" F={n_frag} tau={tau}" if streaming else f" {placement}"
+    if placement is None:
+        placement = ("overlap" if tau else "optimizer") if streaming else "hook"
+    copy_beta = check_number("copy_s_per_byte", copy_s_per_byte)
     g = check_number("grad_bytes", grad_bytes, strict=True)
     b = check_number("bucket_bytes", bucket_bytes, strict=True)
     backward = check_number("backward_s", backward_s)
@@ -147,6 +197,77 @@ def step_time(
     bc_link = profile.intra_broadcast
     intra_algo = check_intra_algorithm(intra_algorithm, profile.backend)
 
+    key = (g, b, backward, n_nodes, lpn, *links, algo, eta, rs_link, ag_link, intra_algo, bc_link, ratio)
+
+    def run(kind: str) -> tuple[float, float]:
+        return _run_buckets(kind, *key)
+
+    k = period
+    peak_bytes = mean_bytes = 0.0
+    if schedule == "ddp" or (schedule == "hiersync" and (k == 1 or n_nodes == 1)):
+        label = "ddp" if schedule == "ddp" else f"hiersync k={k}"
+        comm, exposed = run("flat" if schedule == "ddp" else "two_level")
+        peak_exposed = exposed
+        peak_bytes = mean_bytes = inter_bytes_per_rank("flat" if schedule == "ddp" else "rail", g, n_nodes, lpn)
+    else:
+        comm, exposed = run("intra")
+        peak_exposed = exposed
+        label = "intra-only"
+        if schedule == "hiersync":
+            label = f"hiersync k={k}" + ("" if placement == "hook" else suffix)
+            if placement == "hook":
+                sync_comm, sync_exposed = run("sync")
+                comm = ((k - 1) * comm + sync_comm) / k
+                peak_exposed = max(exposed, sync_exposed)
+                exposed = ((k - 1) * exposed + sync_exposed) / k
+                peak_bytes = inter_bytes_per_rank("rail", g * ratio, n_nodes, lpn)
+                mean_bytes = peak_bytes / k
+            else:
+                comm, exposed, peak_exposed, peak_bytes, mean_bytes = _after_step(
+                    comm, exposed, k, n_frag, tau, g / n_frag, compute, copy_beta, ratio, n_nodes, lpn,
+                    lambda n: param_sync_time(
+                        n, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta,
+                        all_gather=ag_link, intra_algorithm=intra_algo, broadcast=bc_link,
+                    ),
+                )  # fmt: skip
+    return StepTime(
+        label=label,
+        comm_s=comm,
+        exposed_s=exposed,
+        compute_s=compute,
+        step_s=compute + exposed,
+        num_buckets=len(bucket_sizes(g, b)),
+        exposed_peak_s=peak_exposed,
+        inter_bytes_peak=peak_bytes,
+        inter_bytes_mean=mean_bytes,
+        fragments=n_frag,
+        overlap=tau,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _run_buckets(
+    kind: str,
+    g: float,
+    b: float,
+    backward: float,
+    n_nodes: int,
+    lpn: int,
+    intra: Link,
+    inter: Link,
+    rails: int | None,
+    algo: str,
+    eta: float,
+    rs_link: Link | None,
+    ag_link: Link | None,
+    intra_algo: str,
+    bc_link: Link | None,
+    ratio: float,
+) -> tuple[float, float]:
+    """(busy, exposed) seconds of one step's bucket chains of ``kind``: ``"flat"``, ``"intra"``,
+    ``"two_level"`` or ``"sync"`` (intra all-reduce then the bucket's parameter average).
+    Cached: the planner asks for the same local step under every streaming variant."""
+    links = (intra, inter, rails)
     sizes = bucket_sizes(g, b)
     ready, done = [], 0.0
     for s in sizes:
@@ -160,7 +281,7 @@ def step_time(
             if kind == "flat":
                 cache[key] = [("world", flat_allreduce_time(n, n_nodes, lpn, *links, algo, efficiency=eta))]
             elif kind == "intra":
-                cache[key] = [("intra", allreduce_time("ring", lpn, n, profile.intra))]
+                cache[key] = [("intra", allreduce_time("ring", lpn, n, intra))]
             else:
                 rs, ar, ag = two_level_stages(n, n_nodes, lpn, *links, algo, eta, rs_link, ag_link, intra_algo, bc_link)
                 if kind == "two_level":
@@ -172,45 +293,38 @@ def step_time(
                     cache[key] = [*chain("intra", n), ("rail", ar), ("intra", ag)]
         return cache[key]
 
-    def run(kind: str) -> tuple[float, float]:
-        chains = [chain(kind, s) for s in sizes]
-        busy = sum(d for c in chains for _, d in c)
-        return busy, max(0.0, simulate(ready, chains) - backward)
+    chains = [chain(kind, s) for s in sizes]
+    busy = sum(d for c in chains for _, d in c)
+    return busy, max(0.0, simulate(ready, chains) - backward)
 
-    k = period
-    if schedule == "ddp" or (schedule == "hiersync" and (k == 1 or n_nodes == 1)):
-        label = "ddp" if schedule == "ddp" else f"hiersync k={k}"
-        comm, exposed = run("flat" if schedule == "ddp" else "two_level")
-    else:
-        comm, exposed = run("intra")
-        label = "intra-only"
-        if schedule == "hiersync":
-            label = f"hiersync k={k}" + ("" if placement == "hook" else f" {placement}")
-            if placement == "hook":
-                sync_comm, sync_exposed = run("sync")
-            else:
-                sync_comm = param_sync_time(
-                    g,
-                    n_nodes,
-                    lpn,
-                    *links,
-                    algo,
-                    compress_ratio=ratio,
-                    efficiency=eta,
-                    all_gather=ag_link,
-                    intra_algorithm=intra_algo,
-                    broadcast=bc_link,
-                )
-                hidden = compute if placement == "overlap" else 0.0
-                sync_exposed = exposed + max(0.0, sync_comm - hidden)
-                sync_comm += comm
-            comm = ((k - 1) * comm + sync_comm) / k
-            exposed = ((k - 1) * exposed + sync_exposed) / k
-    return StepTime(
-        label=label,
-        comm_s=comm,
-        exposed_s=exposed,
-        compute_s=compute,
-        step_s=compute + exposed,
-        num_buckets=len(sizes),
+
+def _after_step(
+    comm: float,
+    exposed: float,
+    k: int,
+    fragments: int,
+    tau: int,
+    fragment_bytes: float,
+    compute: float,
+    copy_beta: float,
+    ratio: float,
+    nodes: int,
+    lpn: int,
+    sync_time: Callable[[float], float],
+) -> tuple[float, float, float, float, float]:
+    """(comm, exposed, peak exposed, peak bytes, mean bytes) per step of a period with the
+    average after ``optimizer.step()``: :func:`.streaming.sync_stalls` over the window,
+    added to the local steps' ``comm`` and ``exposed``."""
+    transfer = sync_time(fragment_bytes)
+    counts = fragments_per_step(k, fragments)
+    stalls = sync_stalls(
+        k, fragments, tau, transfer_s=transfer, compute_s=compute, copy_s=SYNC_COPIES * fragment_bytes * copy_beta
     )
+    # sums in this order keep fragments=1 at today's "optimizer" figures bit for bit
+    carrying = [c for c in counts if c]
+    comm = ((k - len(carrying)) * comm + sum(c * transfer + comm for c in carrying)) / k
+    stalled = [s for s in stalls if s > 0] or [0.0]
+    peak_exposed = exposed + max(stalls)
+    exposed = ((k - len(stalled)) * exposed + sum(exposed + s for s in stalled)) / k
+    per_fragment = inter_bytes_per_rank("rail", fragment_bytes * ratio, nodes, lpn)
+    return comm, exposed, peak_exposed, max(counts) * per_fragment, fragments * per_fragment / k
