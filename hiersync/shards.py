@@ -32,7 +32,10 @@ import torch
 from .futures import wait
 from .localsgd import Launched, ParamAverager
 
-__all__ = ["ShardedAverager"]
+__all__ = ["ShardedAverager", "GATHER_PIECE_BYTES"]
+
+GATHER_PIECE_BYTES = 2**20
+"""The node gathers finished shards in pieces of this many bytes per rank (one reused buffer)."""
 
 
 @dataclass
@@ -134,7 +137,9 @@ class ShardedAverager:
             )
         if self.compress is not None:
             assert c.anchor is not None
-            payload = (x - c.anchor).to(self.compress)
+            delta = torch.sub(x, c.anchor) if keep_snapshot else x.sub_(c.anchor)
+            payload = delta.to(self.compress)
+            del delta
         else:
             payload = x.clone() if keep_snapshot else x
         future = self.comm.average_shard(payload)
@@ -144,18 +149,19 @@ class ShardedAverager:
         """Wait for ``launched``; return this rank's shard of the fp32 target; update the state."""
         c = self.chunk(launched.indices)
         avg = wait(launched.future)
+        # In place on one shard-sized buffer: no temporaries beyond it.
         if self.compress is not None:
             assert c.anchor is not None
-            avg = c.anchor + avg.float()
+            avg = avg.float().add_(c.anchor)
         if self.outer_lr is not None:
             assert c.anchor is not None
-            g = c.anchor - avg
+            g = avg.sub_(c.anchor).neg_()  # pseudo-gradient anchor - average
             if self.outer_momentum:
                 if c.momentum is None:
                     c.momentum = torch.zeros_like(g)
                 c.momentum.mul_(self.outer_momentum).add_(g)
-                g = g + self.outer_momentum * c.momentum
-            avg = c.anchor - self.outer_lr * g
+                g.add_(c.momentum, alpha=self.outer_momentum)
+            avg = g.mul_(-self.outer_lr).add_(c.anchor)  # anchor - lr * g
         if self.needs_anchor:
             if c.anchor is None:
                 c.anchor = avg.clone()
@@ -170,16 +176,38 @@ class ShardedAverager:
         ``flat`` is this rank's shard; the node gathers the shards over its intra links.
         """
         c = self.chunk(indices)
-        self.base.write(list(c.indices), self._gather(c, flat)[: c.n], add=add)
-
-    def _gather(self, c: _Chunk, shard: torch.Tensor) -> torch.Tensor:
         if self.L == 1:
-            return shard
-        need = c.s * self.L
-        if self._scratch is None or self._scratch.numel() < need or self._scratch.device != shard.device:
-            self._scratch = torch.empty(need, dtype=torch.float32, device=shard.device)
-        full = self._scratch[:need]
-        return wait(self.comm.gather_node(full, shard.to(torch.float32)))
+            self._write_range(c, 0, flat[: c.n], add)
+            return
+        shard = flat.to(torch.float32)
+        q = max(1, GATHER_PIECE_BYTES // 4)
+        for a in range(0, c.s, q):  # piece by piece: the gathered buffer stays small
+            b = min(a + q, c.s)
+            need = (b - a) * self.L
+            if self._scratch is None or self._scratch.numel() < need or self._scratch.device != shard.device:
+                self._scratch = torch.empty(need, dtype=torch.float32, device=shard.device)
+            got = wait(self.comm.gather_node(self._scratch[:need], shard[a:b]))
+            for r in range(self.L):  # rank r's piece is flat [r * s + a, r * s + b)
+                lo = r * c.s + a
+                hi = min(r * c.s + b, c.n)
+                if lo < hi:
+                    self._write_range(c, lo, got[r * (b - a) : r * (b - a) + hi - lo], add)
+
+    def _write_range(self, c: _Chunk, lo: int, values: torch.Tensor, add: bool) -> None:
+        """Copy (or add) ``values`` into the chunk's flat range starting at ``lo``."""
+        hi = lo + values.numel()
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a >= b:
+                continue
+            p = self.params[i].data.view(-1)[a - c.offsets[j] : b - c.offsets[j]]
+            v = values[a - lo : b - lo]
+            if add and p.dtype == torch.float32:
+                p.add_(v)
+            elif add:
+                p.copy_(p.float() + v)
+            else:
+                p.copy_(v)
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:

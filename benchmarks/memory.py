@@ -1,0 +1,105 @@
+"""Peak extra memory per rank of hiersync's local-SGD modes (issue 12 item 6).
+
+Each mode runs in fresh processes on 2 emulated nodes x 2 ranks (gloo, loopback): an MLP
+of 8 layers of 1024 x 1024 (8.4M parameters, 32 MiB of fp32), DDP, 12 steps. A rank's peak resident memory
+(``ru_maxrss``) minus that of the same run at ``period=1`` is the memory the mode adds;
+it is printed in units of the fp32 parameter bytes (P), beside the budget of docs/design.md
+(streaming + bf16 + outer optimizer <= 3/L x P; L = 2 here, so 1.5 P).
+
+    python benchmarks/memory.py            # about a minute on 2 cores
+
+Allocations of 64 KiB or more are mmap'd (mallopt), so freed tensors leave the
+resident set and the peak measures live memory; differences below ~0.1 P are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+
+MODES = {
+    "ddp": dict(),
+    "p1": dict(period=1),
+    "p4": dict(period=4),
+    "p4_bf16": dict(period=4, compress="bf16"),
+    "p4_overlap_bf16_outer": dict(period=4, overlap=True, compress="bf16", outer_lr=0.7, outer_momentum=0.9),
+    "p4_stream_bf16_outer": dict(period=4, fragments=4, overlap=1, compress="bf16", outer_lr=0.7, outer_momentum=0.9),
+}
+
+
+def _exact_rss() -> None:
+    """Make freed tensors leave the resident set: every allocation >= 64 KiB is its own mmap.
+
+    glibc's default raises its mmap threshold as large blocks are freed, after which
+    freed tensors stay in the heap and peak RSS measures the allocator, not the program.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (fixed: no dynamic adjustment)
+    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+
+
+def _rank(mode: str, width: int, layers: int, steps: int) -> dict:
+    _exact_rss()
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hiersync
+
+    torch.manual_seed(0)
+    blocks = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*blocks)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    if MODES[mode]:
+        hiersync.register(ddp, opt, **MODES[mode])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(16, width, generator=g)
+        ddp(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "param_bytes": nbytes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hiersync._launch import run
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
+    ap.add_argument("--layers", type=int, default=8, help="MLP layers (default 8: 8.4M parameters)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode; the lowest peak counts")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "p1" not in modes:
+        ap.error(f"--modes must include p1 (the baseline) and only known modes; unknown: {unknown}")
+    peaks: dict[str, list[float]] = {}
+    P = 0
+    for _ in range(args.repeats):
+        for mode in modes:
+            res = run(_rank, 4, (mode, args.width, args.layers, args.steps), node_ids=[0, 0, 1, 1], timeout=300)
+            P = res[0]["param_bytes"]
+            best = [min(a, r["peak"]) for a, r in zip(peaks.get(mode, [float("inf")] * 4), res)]
+            peaks[mode] = best
+    base = peaks["p1"]
+    print(f"fp32 parameter bytes P = {P / 2**20:.1f} MiB; 2 nodes x 2 ranks; extra peak RSS per rank vs period=1")
+    print(f"{'mode':26s} {'worst rank':>10s} {'mean':>8s}  (units of P)")
+    for mode, pk in peaks.items():
+        extra = [(a - b) / P for a, b in zip(pk, base)]
+        print(f"{mode:26s} {max(extra):10.2f} {sum(extra) / len(extra):8.2f}")
+    if "p4_stream_bf16_outer" in peaks:
+        worst = max((a - b) / P for a, b in zip(peaks["p4_stream_bf16_outer"], base))
+        print(f"target: p4_stream_bf16_outer <= 3/L = 1.50 P: {'PASS' if worst <= 1.5 else 'FAIL'} ({worst:.2f} P)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    raise SystemExit(main())
