@@ -8,12 +8,14 @@ emulated cluster where namespaces are available, exercising torchrun and rendezv
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 import pytest
+from harness import world1  # noqa: F401  (fixture)
 
 from hiersync import cli
-from hiersync.tools import bench, collbench, report, testbed
+from hiersync.tools import bench, bench_worker, collbench, report, testbed
 from hiersync.vocab import parse_count
 
 
@@ -29,6 +31,72 @@ def test_schedule_names():
     assert bench.timed_steps(bench.parse_schedule("ddp"), 3) == 3
     full = bench.full_schedules()
     assert {"ddp", "postlocal_k2", "postlocal_k8", "bf16_hook", "hiersync_p1", "hiersync_p8_overlap_bf16"} <= set(full)
+    assert {"hiersync_p2_stream", "hiersync_p8_stream_bf16"} <= set(full)
+    for name in full + bench.default_schedules():
+        bench.parse_schedule(name)
+
+
+def test_stream_schedule_grammar():
+    s = bench.parse_schedule("hiersync_p4_stream")
+    assert (s.period, s.fragments, s.overlap, s.stream, s.compress) == (4, 4, 1, True, None)
+    assert s.hiersync_options() == {"period": 4, "fragments": 4, "overlap": 1, "compress": None}
+    s = bench.parse_schedule("hiersync_p8_stream2_tau3_bf16")
+    assert (s.period, s.fragments, s.overlap, s.compress) == (8, 2, 3, "bf16")
+    s = bench.parse_schedule("hiersync_p4_stream_tau3")
+    assert (s.fragments, s.overlap) == (4, 3)
+    # the older names keep their meaning (and the flag API: overlap=True, no fragments)
+    assert bench.parse_schedule("hiersync_p4_overlap").hiersync_options() == {
+        "period": 4,
+        "overlap": True,
+        "compress": None,
+    }
+    assert bench.parse_schedule("hiersync_p4").hiersync_options()["overlap"] is False
+    assert {"hiersync_p4_stream", "hiersync_p4_stream_bf16"} <= set(bench.default_schedules())
+    for bad in (
+        "hiersync_p1_stream",  # nothing to stream at period 1
+        "hiersync_p4_stream_tau4",  # tau in 1..k-1
+        "hiersync_p4_stream_tau0",
+        "hiersync_p4_stream0",
+        "hiersync_p4_overlap_stream",
+        "hiersync_p4_bf16_stream",
+        "hiersync_p4_tau2",
+    ):
+        with pytest.raises(ValueError, match=repr(bad)):
+            bench.parse_schedule(bad)
+    assert bench.timed_steps(bench.parse_schedule("hiersync_p4_stream2"), 2) == 4
+
+
+def test_compute_models_parse():
+    assert bench.parse_compute("cpu,accel") == ["cpu", "accel"]
+    assert bench.parse_compute("accel, accel") == ["accel"]
+    for bad in ("gpu", "", "cpu,tpu"):
+        with pytest.raises(ValueError, match="--compute"):
+            bench.parse_compute(bad)
+
+
+def test_percentiles_and_per_step_statistics():
+    assert report.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert report.percentile([1.0, 2.0, 3.0, 10.0], 99) == pytest.approx(3.0 + 7.0 * 0.97)
+    assert report.percentile([5.0], 99) == 5.0
+    with pytest.raises(ValueError):
+        report.percentile([], 50)
+    # per step, the slowest rank: rank 1's second step is the long one
+    runs = [
+        {"unsync_step_ends": [1.0, 2.0, 3.0], "inter_bytes_steps": [0.0, 10.0, 0.0]},
+        {"unsync_step_ends": [1.0, 4.0, 4.5], "inter_bytes_steps": [0.0, 12.0, 1.0]},
+    ]
+    assert report.step_durations(runs) == pytest.approx([1.0, 3.0, 1.0])
+    assert report.inter_bytes_per_step(runs) == [0.0, 12.0, 1.0]
+    assert report.inter_bytes_per_step([{"inter_bytes_steps": None}, runs[0]]) is None
+
+
+def test_ring_model_of_ddp_inter_bytes():
+    # 2 nodes x 2 ranks in rank order: 2 of 4 ring hops cross nodes, each carries 2 (p-1)/p n
+    assert bench_worker.ring_inter_bytes(100.0, [0, 0, 1, 1]) == pytest.approx(1.5 * 100 * 2 / 4)
+    assert bench_worker.ring_inter_bytes(100.0, [0, 1, 0, 1]) == pytest.approx(1.5 * 100)  # every hop crosses
+    assert bench_worker.ring_inter_bytes(100.0, [0, 0]) == 0.0
+    assert bench_worker.ring_inter_bytes(100.0, [0]) == 0.0
 
 
 def test_bad_sizes_name_the_value():
@@ -39,7 +107,15 @@ def test_bad_sizes_name_the_value():
     assert collbench.parse_sizes("4K:1M") == [4096, 16384, 65536, 262144, 1048576]
 
 
-def _fake_rank(rank: int, step_s: float, schedules=("ddp", "postlocal_k4", "hiersync_p4_overlap", "hiersync_p1")):
+def _fake_rank(
+    rank: int,
+    step_s: float,
+    schedules=("ddp", "postlocal_k4", "hiersync_p4_overlap", "hiersync_p1"),
+    compute="cpu",
+    ends=(1, 2, 3, 4),
+    inter=None,
+    unsupported=(),
+):
     runs = []
     for i, name in enumerate(schedules):
         spec = bench.parse_schedule(name)
@@ -59,16 +135,28 @@ def _fake_rank(rank: int, step_s: float, schedules=("ddp", "postlocal_k4", "hier
         runs.append(
             {
                 "model": "mlp",
+                "compute": compute,
                 "schedule": name,
                 "spec": asdict(spec),
                 "bucket_mb": 25.0,
                 "num_params": 1000,
                 "warmup": 1,
                 "steps": 4,
+                "whole_sync_inter_bytes": 2000.0,
+            }
+        )
+        if name in unsupported:
+            runs[-1]["unsupported"] = "not supported by this hiersync version (fragments)"
+            continue
+        step_ends = ends[name] if isinstance(ends, dict) else ends
+        runs[-1].update(
+            {
                 "attributed": attributed,
                 "unsync_elapsed": 4 * step_s * (i + 1) / (1 + rank * 0.01),
-                "unsync_step_ends": [1, 2, 3, 4],
+                "unsync_step_ends": list(step_ends),
                 "bytes_sent_per_step": None,
+                "inter_bytes_steps": (inter or {}).get(name),
+                "inter_bytes_source": "counted" if inter and name in inter else None,
             }
         )
     return {"rank": rank, "runs": runs}
@@ -91,6 +179,126 @@ def test_summary_phases_add_up_and_ratios():
         ("hiersync_p4_overlap", "postlocal_k4"),
         ("hiersync_p1", "ddp"),
     ]
+
+
+def _targets_fixture():
+    """Both compute models; every accel step 1 s but the schedules' own, given as step ends."""
+    names = ("ddp", "postlocal_k4", "hiersync_p4", "hiersync_p4_stream", "intra_only")
+    ends = {
+        "ddp": [4, 8, 12, 16],  # 4 s steps
+        "postlocal_k4": [3, 4, 5, 6],  # 3, 1, 1, 1: median 1 s
+        "hiersync_p4": [1, 2, 5, 6],
+        "hiersync_p4_stream": [1.0, 2.0, 3.0, 4.4],  # p99 = 1.0 + 0.4 * 0.97 s
+        "intra_only": [1, 2, 3, 4],
+    }
+    inter = {"hiersync_p4": [0.0, 0.0, 2000.0, 0.0], "hiersync_p4_stream": [500.0, 500.0, 500.0, 500.0]}
+    cpu = [_fake_rank(r, 1.0, names, "cpu", ends, inter, unsupported=("hiersync_p4_stream",)) for r in (0, 1)]
+    accel = [_fake_rank(r, 1.0, names, "accel", ends, inter) for r in (0, 1)]
+    for c, a in zip(cpu, accel):
+        c["runs"] += a["runs"]
+    return cpu
+
+
+def test_targets_within_one_compute_model():
+    rank_results = _targets_fixture()
+    for rr in rank_results:  # make the mean step the time of the last step end
+        for run in rr["runs"]:
+            if "unsync_step_ends" in run:
+                run["unsync_elapsed"] = run["unsync_step_ends"][-1]
+    rows = report.summarize(rank_results)
+    by = {(r["compute"], r["schedule"]): r for r in rows}
+    assert len(rows) == 10
+    s = by["accel", "hiersync_p4_stream"]
+    assert s["step_p50_s"] == pytest.approx(1.0)
+    assert s["step_p99_s"] == pytest.approx(1.0 + 0.4 * 0.97)
+    assert s["inter_mb_step_peak"] == pytest.approx(500 / 1e6)
+    assert s["inter_mb_step_mean"] == pytest.approx(500 / 1e6)
+    assert by["accel", "hiersync_p4"]["inter_mb_step_peak"] == pytest.approx(2000 / 1e6)
+    assert by["accel", "hiersync_p4"]["inter_mb_step_mean"] == pytest.approx(500 / 1e6)
+    assert by["accel", "postlocal_k4"]["step_p50_s"] == pytest.approx(1.0)
+    assert by["accel", "hiersync_p4_stream"]["vs_ddp"] == pytest.approx(4.4 / 16)  # accel's own DDP row
+    assert by["cpu", "hiersync_p4_stream"]["unsupported"] and by["cpu", "hiersync_p4_stream"]["step_s"] is None
+    targets = report.check_targets(rows)
+    got = {(t["compute"], t["schedule"], t["statistic"], t["reference"]): t for t in targets}
+    t = got["accel", "hiersync_p4_stream", "mean", "intra_only"]
+    assert t["ratio"] == pytest.approx(1.1) and t["met"]  # 4.4 / 4 steps = 1.1 s vs 1.0 s
+    t = got["accel", "hiersync_p4_stream", "p99", "intra_only"]
+    assert t["ratio"] == pytest.approx(1.388) and t["met"] is False
+    assert got["accel", "hiersync_p4_stream", "mean", "ddp"]["ratio"] == pytest.approx(0.275)
+    assert got["accel", "intra_only", "mean", "postlocal_k4"]["reference_value"] == pytest.approx(1.0)
+    peak = got["accel", "hiersync_p4_stream", "peak", "whole_sync"]
+    assert peak["ratio"] == pytest.approx(0.25) and peak["met"] and "hiersync_p4" in peak["reference_name"]
+    # the CPU streaming row could not be built: reported, not compared
+    assert got["cpu", "hiersync_p4_stream", "mean", "hiersync_p4"]["met"] is None
+    text = report.format_targets(targets)
+    assert "PASS  hiersync_p4_stream mean <= 1.10x intra_only mean [issue 12, accel" in text
+    assert "FAIL  hiersync_p4_stream p99 <= 1.25x intra_only mean" in text
+    assert "n/a   hiersync_p4_stream mean <= 1.00x hiersync_p4 mean [issue 12, cpu" in text
+    table = report.format_table(rows)
+    assert "compute cpu: real CPU compute" in table and "compute accel: accelerator-like" in table
+    assert "not supported by this hiersync version" in table
+    assert "p99 s" in table and "peak MB" in table
+    md = report.format_table(rows, markdown=True)
+    assert "| hiersync_p4_stream | cpu | not supported by this hiersync version |" in md
+
+
+def test_accel_model_sleeps_with_real_gradients():
+    import torch
+
+    config = {"mlp_params": 40_000, "mlp_depth": 4, "batch_size": 8, "accel_layer_ms": 10.0}
+    grads = {}
+    for compute in ("cpu", "accel"):
+        torch.manual_seed(0)
+        model, data, loss_fn = bench_worker._build_model("mlp", config, compute)
+        gen = torch.Generator().manual_seed(0)
+        wall = cpu = 0.0
+        for _ in range(3):
+            x, y = data(0, gen)
+            w0, c0 = time.perf_counter(), time.process_time()
+            loss_fn(model(x), y).backward()
+            wall += time.perf_counter() - w0
+            cpu += time.process_time() - c0
+        grads[compute] = [p.grad for p in model.parameters()]
+        if compute == "accel":
+            assert wall >= 3 * 4 * 0.030 * 0.95  # 10 ms forward + 20 ms backward per layer
+            assert cpu < 0.3 * wall  # the host is idle while the "device" computes
+    assert [g.shape for g in grads["accel"]] == [g.shape for g in grads["cpu"]]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads["accel"])
+    with pytest.raises(ValueError, match="mlp only"):
+        bench_worker._build_model("transformer", {"transformer": {}}, "accel")
+
+
+def test_unsupported_schedule_is_reported_not_raised(world1, monkeypatch):
+    """A hiersync without the streaming API raises TypeError on construction: a row that says so."""
+    import hiersync
+
+    register = hiersync.register
+
+    def old_register(ddp, optimizer=None, **options):
+        if "fragments" in options:
+            raise TypeError("HierConfig.__init__() got an unexpected keyword argument 'fragments'")
+        return register(ddp, optimizer, **options)
+
+    monkeypatch.setattr(hiersync, "register", old_register)
+    config = {
+        "models": ["mlp"],
+        "compute": ["cpu"],
+        "schedules": ["hiersync_p2_stream", "hiersync_p2"],
+        "buckets_mb": [0.01],
+        "mlp_params": 2000,
+        "mlp_depth": 2,
+        "batch_size": 4,
+        "steps": 2,
+        "warmup": 1,
+        "lr": 1e-3,
+        "seed": 0,
+    }
+    result = bench_worker.worker(config)
+    stream, plain = result["runs"]
+    assert "not supported by this hiersync version" in stream["unsupported"] and "fragments" in stream["unsupported"]
+    assert "unsupported" not in plain and len(plain["unsync_step_ends"]) == 2
+    rows = report.summarize([result])
+    assert "not supported by this hiersync version" in report.format_table(rows)
 
 
 def test_outputs_are_written_atomically(tmp_path, monkeypatch):
@@ -128,7 +336,9 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
             "--buckets",
             "0.02",
             "--schedules",
-            "ddp,postlocal_k2,bf16_hook,hiersync_p1,hiersync_p2_overlap_bf16",
+            "ddp,postlocal_k2,bf16_hook,hiersync_p1,hiersync_p2_overlap_bf16,hiersync_p2_stream",
+            "--accel-layer-ms",
+            "1",
             "--results",
             str(out),
             "--no-progress",
@@ -137,13 +347,21 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "vs DDP" in text and "hiersync_p2_overlap_bf16" in text and "NOT shaped" in text
+    assert "compute accel" in text and "targets (reports, not assertions)" in text
     names = {p.name for p in out.iterdir()}
     assert {"bench.json", "bench.csv", "bench.md", "step_time_vs_bucket.png", "step_breakdown.png"} <= names
     raw = json.loads((out / "bench.json").read_text())
-    rows = {r["schedule"]: r for r in raw["rows"]}
-    assert set(rows) == {"ddp", "postlocal_k2", "bf16_hook", "hiersync_p1", "hiersync_p2_overlap_bf16"}
-    assert all(r["step_s"] > 0 for r in rows.values())
-    assert rows["hiersync_p2_overlap_bf16"]["inter_mb_sent_per_step"] > 0
+    rows = {(r["compute"], r["schedule"]): r for r in raw["rows"]}
+    schedules = {"ddp", "postlocal_k2", "bf16_hook", "hiersync_p1", "hiersync_p2_overlap_bf16", "hiersync_p2_stream"}
+    assert set(rows) == {(c, s) for c in ("cpu", "accel") for s in schedules}
+    supported = [r for r in rows.values() if not r["unsupported"]]
+    assert all(r["step_s"] > 0 and r["step_p99_s"] >= r["step_p50_s"] > 0 for r in supported)
+    for c in ("cpu", "accel"):
+        assert rows[c, "hiersync_p2_overlap_bf16"]["inter_mb_sent_per_step"] > 0
+        assert rows[c, "hiersync_p2_overlap_bf16"]["inter_mb_step_peak"] > 0
+        assert rows[c, "ddp"]["inter_source"] == "modelled"
+    stream = rows["cpu", "hiersync_p2_stream"]
+    assert stream["unsupported"] or stream["inter_mb_step_peak"] < rows["cpu", "hiersync_p1"]["inter_mb_step_peak"]
     assert (out / "step_breakdown.png").read_bytes()[:4] == b"\x89PNG"
     assert raw["command"].startswith("python -m hiersync bench --schedules")
 

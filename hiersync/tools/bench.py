@@ -9,21 +9,39 @@ Every *schedule* trains the same model with the same data on the same cluster in
 ``bf16_hook``                 PyTorch ``bf16_compress_hook`` (flat all-reduce in bf16)
 ``hiersync_p1``               hiersync, period 1 (exact two-level all-reduce every step)
 ``hiersync_p<k>[_overlap][_bf16]``  hiersync, period k, optionally overlapped / bf16 deltas
+``hiersync_p<k>_stream[<F>][_tau<t>][_bf16]``  streaming: F fragments (default k) staggered over the
+                              period, each applied t steps after launch (default 1)
 ``intra_only``                intra-node all-reduce only, never across nodes (reference)
 ``compute_only``              a hook that communicates nothing (reference: compute floor)
 ============================  ==============================================================
 
-Each (model, schedule, bucket size) runs ``warmup`` steps, then ``steps`` *attributed*
+Every schedule runs under two *compute models* (``--compute``, default both), and every
+ratio compares rows of one compute model:
+
+* ``cpu``: the MLP computes on the CPU, as training on CPUs does; here the 4 ranks'
+  compute shares 2 cores with gloo's sockets, so communication cannot hide behind it;
+* ``accel``: accelerator-like; each layer has ``torch.nn.Linear``'s parameters but its
+  forward sleeps ``--accel-layer-ms`` (default 25 ms) and its backward twice that, with the
+  CPU idle as a host is while its GPU computes, then produces real gradients of the
+  same shapes with O(width^2) memory-bound work. Default: 4 layers x 75 ms = 0.3 s per
+  step, the CPU model's compute time on this 2-core testbed (compute_only: 0.07 s forward
+  + 0.22 s backward), so both models move the same bytes behind the same compute time.
+
+Each (model, compute model, schedule, bucket size) runs ``warmup`` steps, then ``steps`` *attributed*
 steps with a barrier between phases -- data, forward, backward, communication wait,
 optimizer -- and then ``steps`` *unsynchronized* steps whose wall time is the step time the
 ratios use (overlap only shows there). ``steps`` is rounded up to a multiple of ``k``.
 *Communication wait* is the exposed part: the time ``backward()`` keeps running after the
 slowest rank's last gradient was accumulated, plus the time spent after the optimizer's own
-update (hiersync's post-step sync, the model averager).
+update (hiersync's post-step sync, the model averager). Per row the table gives the mean
+step time and the p50/p99 of the slowest rank's per-step durations, and the mean and peak
+inter-node MB a rank sent per step (hiersync's counters; a ring model for DDP, post-local
+SGD and the bf16 hook). The targets of issues 5 and 12 are printed as PASS/FAIL lines:
+reports, never a failed command.
 
-The default runs in about two minutes on a 2-core machine: the emulated 2x2 cluster
+The default runs in about three minutes on a 2-core machine: the emulated 2x2 cluster
 (800 Mbit/s between nodes), a 25M-parameter MLP (100 MB of fp32 gradients), 25 MB
-buckets and the schedules the targets name. ``--full`` sweeps everything.
+buckets, both compute models and the schedules the targets name. ``--full`` sweeps everything.
 
 Example::
 
@@ -48,7 +66,17 @@ from pathlib import Path
 
 from hiersync.vocab import parse_count
 
-from .bench_spec import FULL_PERIODS, ScheduleSpec, default_schedules, full_schedules, parse_schedule, timed_steps
+from .bench_spec import (
+    COMPUTE_MODELS,
+    FULL_PERIODS,
+    GRAMMAR,
+    ScheduleSpec,
+    default_schedules,
+    full_schedules,
+    parse_compute,
+    parse_schedule,
+    timed_steps,
+)
 from .report import check_targets, format_table, format_targets, summarize, write_outputs
 
 __all__ = [
@@ -135,9 +163,11 @@ def run_bench(
     from .cluster import run_ranks
 
     specs = [parse_schedule(s) for s in config["schedules"]]
+    computes = config.get("compute", ["cpu"])
+    pairs = sum(1 for m in config["models"] for c in computes if c == "cpu" or m == "mlp")
     total = (
         sum(int(config["warmup"]) + 2 * timed_steps(s, int(config["steps"])) for s in specs)
-        * len(config["models"])
+        * pairs
         * len(config["buckets_mb"])
         * int(config.get("repeat", 1))
     )
@@ -214,6 +244,9 @@ def make_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--mlp-params={args.mlp_params!r} is not a number like 25M, 500k or 300000") from None
     if params < 64:
         raise ValueError(f"--mlp-params={args.mlp_params!r} is too small (>= 64 parameters)")
+    compute = parse_compute(args.compute)
+    if not args.accel_layer_ms >= 0:
+        raise ValueError(f"--accel-layer-ms={args.accel_layer_ms} must be >= 0")
     for name in ("steps", "batch_size", "mlp_depth", "repeat"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -221,6 +254,8 @@ def make_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--warmup={args.warmup} must be >= 1 (DDP rebuilds its buckets after the first step)")
     return {
         "models": models,
+        "compute": compute,
+        "accel_layer_ms": args.accel_layer_ms,
         "schedules": schedules,
         "buckets_mb": buckets,
         "mlp_params": params,
@@ -250,7 +285,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="everything: mlp+transformer, buckets 1,5,25,100 MB, k in 2,4,8 with/without overlap and bf16",
     )
-    g.add_argument("--schedules", default=None, help="comma-separated schedule names (see module doc)")
+    g.add_argument(
+        "--schedules",
+        default=None,
+        help="comma-separated schedule names: ddp, postlocal_k<k>, bf16_hook, intra_only, compute_only, "
+        f"{GRAMMAR} (default: the targets' k=4 set)",
+    )
+    g.add_argument(
+        "--compute",
+        default=",".join(COMPUTE_MODELS),
+        help="compute models, one table each: cpu (real CPU compute) and/or accel (layers sleep with the "
+        "CPU idle, like a host whose GPU computes; mlp only). Default: both",
+    )
+    g.add_argument(
+        "--accel-layer-ms",
+        type=float,
+        default=25.0,
+        help="accel compute model: forward sleep per layer in ms, backward twice that (default 25: "
+        "4 layers x 75 ms = 0.3 s per step, the CPU model's compute time here)",
+    )
     g.add_argument(
         "--periods",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -345,9 +398,14 @@ def run(args: argparse.Namespace) -> int:
         f"hiersync bench on {raw['testbed']['describe']} ({raw['wall_s']:.0f} s, "
         f"load average {env['loadavg_1min_before']:.1f} -> {env['loadavg_1min_after']:.1f} on {env['cpus']} cores)"
     )
-    print("step s: unsynchronized step time (slowest rank); data..opt: attributed with barriers between phases\n")
+    print(
+        "step s: mean unsynchronized step time (slowest rank), p50/p99 of its per-step times; "
+        "data..opt: attributed with barriers between phases;\ninter MB/step, peak MB: mean and largest "
+        "inter-node MB a rank sent per timed step; ratios compare rows of one compute model\n"
+    )
     print(format_table(rows))
     if targets:
+        print("targets (reports, not assertions):")
         print(format_targets(targets))
         if raw["testbed"]["mode"] != "netns":
             print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -23,14 +25,80 @@ __all__ = ["worker"]
 logger = logging.getLogger(__name__)
 
 
-def _build_model(name: str, config: dict):
+def _accel_function():
+    """The autograd function of :class:`AccelLinear` (built lazily: this module imports torch lazily)."""
+    global _ACCEL_FN
+    if _ACCEL_FN is not None:
+        return _ACCEL_FN
     import torch
 
+    class _SleepLinear(torch.autograd.Function):
+        """``y = x + b + (W @ mean_n x) / sqrt(width)``: sleeps, then does O(width^2) memory-bound work.
+
+        The weight term uses the batch mean of ``x`` treated as a constant, so the exact
+        gradients are cheap: ``dW = outer(sum_n g, mean_n x) / sqrt(width)`` (a full
+        width x width tensor, like a linear layer's), ``db = sum_n g``, ``dx = g``.
+        """
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any, bias: Any, fwd_s: float, bwd_s: float) -> Any:
+            time.sleep(fwd_s)  # the device computes; the host is idle
+            xbar = x.detach().mean(0)
+            scale = 1.0 / math.sqrt(weight.shape[1])
+            ctx.save_for_backward(xbar)
+            ctx.scale, ctx.bwd_s = scale, bwd_s
+            return x + bias + torch.mv(weight, xbar).mul_(scale)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            (g,) = grads
+            time.sleep(ctx.bwd_s)
+            (xbar,) = ctx.saved_tensors
+            gsum = g.sum(0)
+            return g, torch.outer(gsum, xbar).mul_(ctx.scale), gsum, None, None
+
+    _ACCEL_FN = _SleepLinear
+    return _SleepLinear
+
+
+_ACCEL_FN: Any = None
+
+
+def accel_linear(width: int, fwd_ms: float, bwd_ms: float) -> Any:
+    """A layer with ``torch.nn.Linear(width, width)``'s parameters whose compute is a sleep.
+
+    Forward sleeps ``fwd_ms`` and backward ``bwd_ms`` with the CPU idle, as a host does
+    while its accelerator runs the kernels; the gradients are real (exact for the cheap
+    function the layer computes, see ``_SleepLinear``) and have the shapes and bytes of a
+    linear layer's, so DDP and hiersync move exactly what they move for the CPU model.
+    """
+    import torch
+
+    fn = _accel_function()
+
+    class AccelLinear(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fn.apply(x, self.weight, self.bias, fwd_ms / 1e3, bwd_ms / 1e3)
+
+    return AccelLinear(width, width)
+
+
+def _build_model(name: str, config: dict, compute: str = "cpu"):
+    import torch
+
+    if compute not in ("cpu", "accel"):
+        raise ValueError(f"compute={compute!r} is not known; use 'cpu' or 'accel'")
+    if compute == "accel" and name != "mlp":
+        raise ValueError(f"the accel compute model is built for the mlp only, not {name!r}")
     if name == "mlp":
         depth = int(config["mlp_depth"])
         width = max(8, int(round(math.sqrt(float(config["mlp_params"]) / depth))))
         layers: list[torch.nn.Module] = []
+        fwd_ms = float(config.get("accel_layer_ms", 25.0))
         for i in range(depth):
+            if compute == "accel":
+                layers.append(accel_linear(width, fwd_ms, 2 * fwd_ms))
+                continue
             layers.append(torch.nn.Linear(width, width))
             if i < depth - 1:
                 layers.append(torch.nn.ReLU())
@@ -129,6 +197,15 @@ class _Probe:
             h.remove()
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory now (Linux), to see that runs free what they built."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # ---------------------------------------------------------------------------- worker
 def worker(config: dict) -> dict:
     """Run every (model, schedule, bucket) of ``config`` on this rank; return its timings.
@@ -153,15 +230,67 @@ def worker(config: dict) -> dict:
     for rep in range(int(config.get("repeat", 1))):
         for model_name in config["models"]:
             for bucket_mb in config["buckets_mb"]:
-                for schedule in config["schedules"]:
-                    spec = parse_schedule(schedule)
-                    record = _run_one(config, model_name, spec, float(bucket_mb), intra_group, progress)
-                    out["runs"].append({**record, "repeat": rep})
+                for compute in config.get("compute", ["cpu"]):
+                    if compute == "accel" and model_name != "mlp":
+                        continue  # the accel model is an MLP (the command says so)
+                    for schedule in config["schedules"]:
+                        spec = parse_schedule(schedule)
+                        record = _run_one(
+                            config, model_name, compute, spec, float(bucket_mb), intra_group, topo.nodes, progress
+                        )
+                        out["runs"].append({**record, "repeat": rep})
+                        # DDP, its hook state and the optimizer's hooks form reference cycles:
+                        # free this run's model, gradients and buffers before the next one builds its own.
+                        gc.collect()
+                        out["runs"][-1]["rss_mb_after"] = _rss_mb()
     return out
 
 
+def ring_inter_bytes(nbytes: float, node_of_rank: Sequence[int]) -> float:
+    """Bytes per rank that cross nodes in a ring all-reduce over the world in rank order.
+
+    The bandwidth-optimal accounting of :mod:`hiersync.stats`: every rank sends
+    ``2 (p - 1) / p * n`` bytes to its right neighbour, which counts when that neighbour is
+    on another node; the result is the mean over ranks (a node's link traffic / its ranks).
+    A model of DDP's flat all-reduce (gloo's default ring), not a measurement.
+    """
+    p = len(node_of_rank)
+    if p <= 1:
+        return 0.0
+    crossing = sum(1 for r in range(p) if node_of_rank[r] != node_of_rank[(r + 1) % p])
+    return 2.0 * (p - 1) / p * nbytes * crossing / p
+
+
+_BUILT: dict[tuple, Any] = {}
+
+
+def _fresh_model(name: str, config: dict, compute: str) -> Any:
+    """A copy of the (model, compute) pair's seeded initial model, built once per process.
+
+    Initializing 25M parameters costs ~0.3 s of CPU per rank; copying them 0.06 s.
+    """
+    import copy
+
+    import torch
+
+    key = (name, compute, repr(sorted((k, repr(v)) for k, v in config.items() if k != "progress")))
+    if key not in _BUILT:
+        _BUILT.clear()  # one template at a time
+        torch.manual_seed(int(config["seed"]))
+        _BUILT[key] = _build_model(name, config, compute)
+    model, data_fn, loss_fn = _BUILT[key]
+    return copy.deepcopy(model), data_fn, loss_fn
+
+
 def _run_one(
-    config: dict, model_name: str, spec: ScheduleSpec, bucket_mb: float, intra_group: Any, progress: str | None
+    config: dict,
+    model_name: str,
+    compute: str,
+    spec: ScheduleSpec,
+    bucket_mb: float,
+    intra_group: Any,
+    nodes: Sequence[Sequence[int]],
+    progress: str | None,
 ) -> dict:
     import torch
     import torch.distributed as dist
@@ -172,9 +301,22 @@ def _run_one(
     rank = dist.get_rank()
     warmup = int(config["warmup"])
     steps = timed_steps(spec, int(config["steps"]))
-    torch.manual_seed(int(config["seed"]))
-    model, data_fn, loss_fn = _build_model(model_name, config)
+    model, data_fn, loss_fn = _fresh_model(model_name, config, compute)
     num_params = sum(p.numel() for p in model.parameters())
+    node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
+    node_of_rank = [node_of[r] for r in range(dist.get_world_size())]
+    base: dict[str, Any] = {
+        "model": model_name,
+        "compute": compute,
+        "schedule": spec.name,
+        "spec": asdict(spec),
+        "bucket_mb": bucket_mb,
+        "num_params": num_params,
+        "warmup": warmup,
+        "steps": steps,
+        # what one whole-model inter-node parameter average sends per rank (fp32, hiersync's rails)
+        "whole_sync_inter_bytes": 2.0 * (len(nodes) - 1) / len(nodes) * 4 * num_params / max(len(n) for n in nodes),
+    }
     # Every rank seeds identically, so the initial broadcast (100 MB over the slow link
     # per schedule) would only cost time.
     ddp = DDP(model, bucket_cap_mb=bucket_mb, init_sync=False)
@@ -182,6 +324,14 @@ def _run_one(
     probe = _Probe(model, opt)
     after_step: Callable[[], None] = lambda: None
     state = None
+    # Inter-node bytes per step of the schedules hiersync does not count: a ring model.
+    modelled: Callable[[], float] | None = None
+    if spec.kind == "ddp":
+        modelled = lambda: ring_inter_bytes(4.0 * num_params, node_of_rank)
+    elif spec.kind == "bf16_hook":
+        modelled = lambda: ring_inter_bytes(2.0 * num_params, node_of_rank)
+    elif spec.kind == "compute_only":
+        modelled = lambda: 0.0
     if spec.kind == "compute_only":
         ddp.register_comm_hook(None, _noop_hook)
     elif spec.kind == "bf16_hook":
@@ -195,18 +345,29 @@ def _run_one(
         )
         averager = PeriodicModelAverager(period=spec.period, warmup_steps=warmup)
         params = list(ddp.parameters())
-        after_step = lambda: averager.average_parameters(params)
+        averaged = [False]
+
+        def average() -> None:
+            # PeriodicModelAverager's own rule: it averages when step >= warmup and
+            # (step - warmup) % period == 0, then counts the step.
+            s = averager.step
+            averaged[0] = s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0
+            averager.average_parameters(params)
+
+        after_step = average
+        modelled = lambda: ring_inter_bytes(4.0 * num_params, node_of_rank) if averaged[0] else 0.0
     elif spec.kind in ("hiersync", "intra_only"):
-        state = hiersync.register(
-            ddp,
-            opt,
-            period=spec.period,
-            overlap=spec.overlap,
-            compress=spec.compress,
-            **config.get("hiersync_options", {}),
-        )
+        try:
+            state = hiersync.register(ddp, opt, **spec.hiersync_options(), **config.get("hiersync_options", {}))
+        except TypeError as e:
+            # Raised by HierState's option check on every rank alike, before any collective.
+            probe.remove()
+            if progress:  # the steps this run would have taken, so the progress bar still ends full
+                with open(progress, "a") as f:
+                    f.write(f"{model_name} {compute} {spec.name}\tskipped\n" * (warmup + 2 * steps))
+            return {**base, "unsupported": f"not supported by this hiersync version ({e})"}
     gen = torch.Generator().manual_seed(int(config["seed"]) * 1000 + rank)
-    label = f"{model_name} {spec.name} {bucket_mb:g}MB"
+    label = f"{model_name} {compute} {spec.name} {bucket_mb:g}MB"
     done = [0]
     total_steps = warmup + 2 * steps
 
@@ -258,9 +419,17 @@ def _run_one(
     dist.barrier()
     t0 = time.perf_counter()
     ends = []
+    inter_steps: list[float] = []
+    sent = state.stats.bytes_sent[Level.INTER.value] if state is not None else 0
     for _ in range(steps):
         step(False)
         ends.append(time.perf_counter())
+        if state is not None:
+            now = state.stats.bytes_sent[Level.INTER.value]
+            inter_steps.append(float(now - sent))
+            sent = now
+        elif modelled is not None:
+            inter_steps.append(modelled())
     elapsed = time.perf_counter() - t0
     stats1 = state.stats.as_dict() if state is not None else None
     if state is not None:
@@ -278,16 +447,19 @@ def _run_one(
             state.close()  # releases its optimizer hooks and groups
         except (RuntimeError, ValueError) as e:  # a leak of one idle group is harmless
             logger.debug("bench: could not close the hiersync state: %s", e)
+        # DDP's C++ reducer holds the hook state, and the state holds the model, the
+        # optimizer and its registry of parameters: a cycle through C++ that the garbage
+        # collector cannot see (about 3x the model's bytes per run, 300 MB for the default
+        # MLP). Emptying the closed state breaks it, so this run's tensors are freed.
+        vars(state).clear()
     return {
-        "model": model_name,
-        "schedule": spec.name,
-        "spec": asdict(spec),
-        "bucket_mb": bucket_mb,
-        "num_params": num_params,
-        "warmup": warmup,
-        "steps": steps,
+        **base,
         "attributed": attributed,
         "unsync_elapsed": elapsed,
         "unsync_step_ends": [e - t0 for e in ends],
         "bytes_sent_per_step": inter,
+        # inter-node bytes this rank sent in each unsynchronized step: counted by hiersync,
+        # modelled (ring_inter_bytes) for DDP, post-local SGD and the bf16 hook
+        "inter_bytes_steps": inter_steps if (state is not None or modelled is not None) else None,
+        "inter_bytes_source": "counted" if state is not None else ("modelled" if modelled is not None else None),
     }
