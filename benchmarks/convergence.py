@@ -8,8 +8,8 @@ the same learning-rate schedule; only the gradient/parameter synchronization dif
 * ``ddp``: DDP's default all-reduce every step (no hook), the reference.
 * ``k=1``: hiersync, exact two-level all-reduce every step (equals DDP to fp32 rounding).
 * ``k=4``, ``k=8``: hierarchical local SGD (intra-node every step, parameters averaged across
-  nodes every k steps), optionally with ``compress="bf16"`` deltas, ``overlap=True`` or a
-  DiLoCo outer Nesterov step.
+  nodes every k steps), optionally with ``compress="bf16"`` deltas, ``overlap=True``, a
+  DiLoCo outer Nesterov step, or streaming (``fragments=4, overlap=1``).
 
 All hiersync schedules attach the optimizer (``hiersync.register(ddp, opt, ...)`` calls
 ``state.attach_optimizer(opt)``), so every rank is identical after each sync step. Intermediate
@@ -17,7 +17,7 @@ test accuracy is measured on the world-average of the parameters *without* writi
 (so evaluating does not perturb training); the final numbers are measured after
 ``state.synchronize(model)``, which is what a user does before evaluating or saving.
 
-Run it (3 seeds x 8 schedules x 600 steps, about 2 minutes on two cores)::
+Run it (3 seeds x 10 schedules x 600 steps, about 3 minutes on two cores)::
 
     python benchmarks/convergence.py --plot docs/img/convergence.png
 
@@ -61,6 +61,9 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "k=8 bf16": dict(period=8, compress="bf16"),
     "k=4 overlap": dict(period=4, overlap=True),
     "k=8 outer": dict(period=8, outer_lr=0.7, outer_momentum=0.9),
+    # streaming: 4 fragments (the MLP's 4 tensors) on staggered steps, each applied one step late
+    "k=4 stream": dict(period=4, fragments=4, overlap=1),
+    "k=8 stream": dict(period=8, fragments=4, overlap=1),
     # not run by default: larger k; the outer step with less momentum, as plain averaging
     # (lr 1, momentum 0: must reproduce "k=8"), and at a more DiLoCo-like k
     "k=16": dict(period=16),

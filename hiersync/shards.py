@@ -229,11 +229,8 @@ class ShardedAverager:
         return out
 
     def load(self, state: dict[str, Any]) -> None:
-        self.base.load({k: v for k, v in state.items() if k != "shards"})
-        self._chunks.clear()
         saved = state.get("shards")
-        self._loaded = []
-        if saved:
+        if saved:  # checked before anything changes
             if (saved["local_rank"], saved["node_size"]) != (self.local_rank, self.L):
                 raise ValueError(
                     f"this hiersync state_dict holds the shards of local rank {saved['local_rank']} of a "
@@ -241,7 +238,9 @@ class ShardedAverager:
                     "rank must save and load its own state.state_dict() (or call state.synchronize(model) and "
                     "start a fresh HierState)"
                 )
-            self._loaded = list(saved["chunks"])
+        self.base.load({k: v for k, v in state.items() if k != "shards"})
+        self._chunks.clear()
+        self._loaded = list(saved["chunks"]) if saved else []
 
     def _bind_loaded(self, c: _Chunk) -> None:
         device = self.params[c.indices[0]].device

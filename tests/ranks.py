@@ -476,6 +476,21 @@ def checkpoint_run(cfg: dict, phase: str, folder: str, n: int) -> list:
     return _flat(ddp.parameters()).tolist()
 
 
+def load_another_ranks_state() -> str:
+    """Every rank loads its node-mate's hiersync state_dict (2x2): the shards must not fit."""
+    cfg = dict(mode="stream", period=2, fragments=2, tau=1, compress="bf16")
+    ddp, opt, state = _build(cfg)
+    train(ddp, opt, 3)
+    saved: list = [None] * dist.get_world_size()
+    dist.all_gather_object(saved, state.state_dict())
+    try:
+        state.load_state_dict(saved[dist.get_rank() ^ 1])
+    except ValueError as e:
+        state.load_state_dict(saved[dist.get_rank()])  # its own still loads after the refusal
+        return str(e)
+    return "loaded"
+
+
 # ---------------------------------------------------------------- reliability
 def die_mid_training(
     victim: int,

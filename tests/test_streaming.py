@@ -147,3 +147,9 @@ def test_grad_scaler_overflow_on_one_node_defers_its_fragments():
     for r in res:
         assert r["identical"], "ranks differ after synchronize()"
         assert r["last_loss"] == r["last_loss"]
+
+
+def test_each_rank_must_load_its_own_shards():
+    # with an attached optimizer a rank's state_dict holds its 1/L shard of the local-SGD state
+    for r, msg in enumerate(launch(ranks.load_another_ranks_state, TOPOLOGIES["2x2"])):
+        assert f"holds the shards of local rank {(r ^ 1) % 2}" in msg and "every rank must save and load its own" in msg
