@@ -70,6 +70,10 @@ class HierConfig:
     """The parameter average after ``optimizer.step()`` runs in chunks of this many MiB."""
     intra_algorithm: str | None = None
     """``"rs_ag"`` or ``"allreduce_bcast"``; None = by backend (vocab.default_intra_algorithm)."""
+    state_device: str | None = None
+    """``"cpu"``: keep the local-SGD state (anchor, momentum shards) in host memory, pinned where
+    CUDA is available (applies to the sharded state of an attached optimizer); None: on the
+    parameters' device."""
     profile: Any = None
     """Calibration profile (path or ``costmodel.Profile``) for ``algorithm="auto"``."""
     schedule: Schedule = field(init=False, repr=False, compare=False)
@@ -96,6 +100,7 @@ class HierConfig:
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("intra_algorithm", self.intra_algorithm, (None, *INTRA_ALGORITHMS))
+        _choice("state_device", self.state_device, (None, "cpu"))
         if self.outer_lr is not None and not (_number(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"outer_lr must be a positive number or None, got {self.outer_lr!r}")
         if not (_number(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):

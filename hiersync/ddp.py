@@ -68,7 +68,8 @@ class HierState:
 
     Options are those of :class:`~hiersync.config.HierConfig` (``period``, ``warmup_steps``,
     ``overlap``, ``compress``, ``outer_lr``, ``outer_momentum``, ``algorithm``,
-    ``nonfinite``, ``timeout``, ``chunk_mb``, ``intra_algorithm``, ``profile``), plus:
+    ``nonfinite``, ``timeout``, ``chunk_mb``, ``intra_algorithm``, ``profile``, ``fragments``,
+    ``state_device``), plus:
 
     Args:
         process_group: must be ``None`` (the world); hiersync builds its own subgroups.
@@ -114,7 +115,7 @@ class HierState:
         )
         # After optimizer.step() a rank keeps the state of its 1/L shard only (shards.py); uneven nodes keep it whole.
         sharded = self.topology.even and self.topology.num_nodes > 1
-        engine_averager = ShardedAverager(self.averager) if sharded else self.averager
+        engine_averager = ShardedAverager(self.averager, cfg.state_device) if sharded else self.averager
         self.engine = CrossNodeSync(engine_averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
         self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)

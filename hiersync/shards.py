@@ -55,8 +55,11 @@ class _Chunk:
 class ShardedAverager:
     """Cross-node parameter averages whose state is this rank's shard of each chunk."""
 
-    def __init__(self, base: ParamAverager) -> None:
+    def __init__(self, base: ParamAverager, state_device: str | None = None) -> None:
         self.base = base
+        # "cpu": anchor and momentum live in host memory (pinned where CUDA is available), as
+        # torchft's backup device; the maths runs on the parameters' device on transient copies.
+        self.state_device = torch.device(state_device) if state_device is not None else None
         self.comm = base.comm
         self.compress = base.compress
         self.outer_lr = base.outer_lr
@@ -106,6 +109,20 @@ class ShardedAverager:
                 out[a - lo : b - lo].copy_(t[a - c.offsets[j] : b - c.offsets[j]])
         return out
 
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as kept between syncs: on ``state_device`` (pinned host memory) if one is set."""
+        if self.state_device is None or t.device == self.state_device:
+            return t
+        pin = self.state_device.type == "cpu" and torch.cuda.is_available()
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.state_device, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+
+    @staticmethod
+    def _here(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device`` (a transient copy when the state is offloaded)."""
+        return t if t.device == device else t.to(device, non_blocking=True)
+
     def part_of(self, indices: Sequence[int], whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole-vector target or correction for ``indices``."""
         c = self.chunk(indices)
@@ -123,7 +140,7 @@ class ShardedAverager:
         for idx in chunks:
             c = self.chunk(idx)
             if c.anchor is None:
-                c.anchor = self._shard_of(c)
+                c.anchor = self._store(self._shard_of(c))
 
     # ------------------------------------------------------------- averaging
     def launch(self, params: Sequence[torch.Tensor], keep_snapshot: bool = False) -> Launched:
@@ -137,7 +154,8 @@ class ShardedAverager:
             )
         if self.compress is not None:
             assert c.anchor is not None
-            delta = torch.sub(x, c.anchor) if keep_snapshot else x.sub_(c.anchor)
+            anchor = self._here(c.anchor, x.device)
+            delta = torch.sub(x, anchor) if keep_snapshot else x.sub_(anchor)
             payload = delta.to(self.compress)
             del delta
         else:
@@ -149,24 +167,28 @@ class ShardedAverager:
         """Wait for ``launched``; return this rank's shard of the fp32 target; update the state."""
         c = self.chunk(launched.indices)
         avg = wait(launched.future)
-        # In place on one shard-sized buffer: no temporaries beyond it.
+        anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
+        # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
         if self.compress is not None:
-            assert c.anchor is not None
-            avg = avg.float().add_(c.anchor)
+            assert anchor is not None
+            avg = avg.float().add_(anchor)
         if self.outer_lr is not None:
-            assert c.anchor is not None
-            g = avg.sub_(c.anchor).neg_()  # pseudo-gradient anchor - average
+            assert anchor is not None
+            g = avg.sub_(anchor).neg_()  # pseudo-gradient anchor - average
             if self.outer_momentum:
+                m = self._here(c.momentum, g.device) if c.momentum is not None else torch.zeros_like(g)
+                m.mul_(self.outer_momentum).add_(g)
+                g.add_(m, alpha=self.outer_momentum)
                 if c.momentum is None:
-                    c.momentum = torch.zeros_like(g)
-                c.momentum.mul_(self.outer_momentum).add_(g)
-                g.add_(c.momentum, alpha=self.outer_momentum)
-            avg = g.mul_(-self.outer_lr).add_(c.anchor)  # anchor - lr * g
+                    c.momentum = self._store(m)
+                elif m is not c.momentum:
+                    c.momentum.copy_(m, non_blocking=True)
+            avg = g.mul_(-self.outer_lr).add_(anchor)  # anchor - lr * g
         if self.needs_anchor:
             if c.anchor is None:
-                c.anchor = avg.clone()
+                c.anchor = self._store(avg.clone())
             else:
-                c.anchor.copy_(avg)  # the persistent buffer, reused
+                c.anchor.copy_(avg, non_blocking=True)  # the persistent buffer, reused
         return avg
 
     @torch.no_grad()
@@ -230,14 +252,13 @@ class ShardedAverager:
 
     def load(self, state: dict[str, Any]) -> None:
         saved = state.get("shards")
-        if saved:  # checked before anything changes
-            if (saved["local_rank"], saved["node_size"]) != (self.local_rank, self.L):
-                raise ValueError(
-                    f"this hiersync state_dict holds the shards of local rank {saved['local_rank']} of a "
-                    f"{saved['node_size']}-rank node, but this is local rank {self.local_rank} of {self.L}: every "
-                    "rank must save and load its own state.state_dict() (or call state.synchronize(model) and "
-                    "start a fresh HierState)"
-                )
+        if saved and (saved["local_rank"], saved["node_size"]) != (self.local_rank, self.L):  # before any change
+            raise ValueError(
+                f"this hiersync state_dict holds the shards of local rank {saved['local_rank']} of a "
+                f"{saved['node_size']}-rank node, but this is local rank {self.local_rank} of {self.L}: every "
+                "rank must save and load its own state.state_dict() (or call state.synchronize(model) and "
+                "start a fresh HierState)"
+            )
         self.base.load({k: v for k, v in state.items() if k != "shards"})
         self._chunks.clear()
         self._loaded = list(saved["chunks"]) if saved else []
@@ -254,9 +275,9 @@ class ShardedAverager:
                                 f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
                                 f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
                             )
-                        setattr(c, key, t.to(device=device, dtype=torch.float32))
+                        setattr(c, key, self._store(t.to(device=device, dtype=torch.float32)))
                 return
         # per-parameter state (a pure-hook or older checkpoint): take this rank's shard of it
         for key, store in (("anchor", self.base.anchor), ("momentum", self.base.momentum)):
             if all(i in store for i in c.indices):
-                setattr(c, key, self._shard_of(c, [store[i] for i in c.indices]).float())
+                setattr(c, key, self._store(self._shard_of(c, [store[i] for i in c.indices]).float()))

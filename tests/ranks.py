@@ -369,6 +369,7 @@ def localsgd_check(cfg: dict) -> dict:
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
+        state_device=cfg.get("state_device"),
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
