@@ -56,6 +56,7 @@ def _step(ddp, opt=None) -> None:
         (dict(timeout=-1), ValueError, "timeout must be > 0 seconds, got -1"),
         (dict(timeout="5s"), TypeError, "timeout must be a timedelta or seconds"),
         (dict(chunk_mb=0), ValueError, "chunk_mb must be > 0"),
+        (dict(state_device="cuda:1"), ValueError, r"state_device=.cuda:1. is not supported"),
         (dict(topology=[0, 0]), TypeError, "topology must be a hiersync.Topology"),
     ],
 )

@@ -56,8 +56,10 @@ def test_two_level_allreduce_on_cuda(backend, node_ids):
         (1, {"_nan_step": 2}),
         (3, {"overlap": True, "compress": "bf16"}),
         (3, {"outer_lr": 0.7, "outer_momentum": 0.9}),
+        (4, {"fragments": 4, "overlap": 2, "compress": "bf16", "outer_lr": 0.7, "outer_momentum": 0.9}),
+        (4, {"fragments": 2, "overlap": 1, "outer_lr": 0.7, "outer_momentum": 0.9, "state_device": "cpu"}),
     ],
-    ids=["parity", "nan_guard", "overlap_bf16", "outer"],
+    ids=["parity", "nan_guard", "overlap_bf16", "outer", "stream_bf16", "stream_state_on_host"],
 )
 def test_hook_on_cuda(backend, node_ids, period, options):
     res = run(
