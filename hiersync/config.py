@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schedule import Schedule
-from .vocab import INTRA_ALGORITHMS, MiB, Placement
+from .vocab import COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB, Placement
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
 ALGORITHMS = ("two_level", "flat", "auto")
 """Exact-step all-reduce: two-level, one world all-reduce, or chosen per bucket size."""
-COMPRESS = (None, "none", "bf16", "fp16")
+COMPRESS = (None, "none", *COMPRESS_DTYPES)
 """Inter-node payload of the parameter average (``None``/``"none"``: fp32)."""
-NONFINITE = ("skip", "raise", "ignore")
+NONFINITE = NONFINITE_MODES
 """What a NaN/Inf gradient does."""
 
 

@@ -20,6 +20,8 @@ __all__ = [
     "IntraAlgorithm",
     "INTRA_ALGORITHMS",
     "default_intra_algorithm",
+    "COMPRESS_DTYPES",
+    "NONFINITE_MODES",
     "KiB",
     "MiB",
     "GiB",
@@ -146,3 +148,9 @@ def parse_count(text: str | int | float) -> int:
 
 
 __all__ += ["parse_count"]
+
+
+COMPRESS_DTYPES = ("bf16", "fp16")
+"""16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""
+NONFINITE_MODES = ("skip", "raise", "ignore")
+"""What a NaN/Inf gradient does: skip the update, raise, or no check at all."""

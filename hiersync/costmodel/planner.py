@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hiersync import costmodel as cm
-from hiersync.vocab import MiB
+from hiersync.vocab import COMPRESS_DTYPES, MiB
 
 __all__ = [
     "PlanRow",
@@ -213,7 +213,7 @@ def make_plan(
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
-    if compress not in ("none", "bf16", "fp16"):
+    if compress not in ("none", *COMPRESS_DTYPES):
         raise ValueError(f"unknown compress {compress!r}; valid: none, bf16, fp16")
     if not periods or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in periods):
         raise ValueError(f"periods must be ints >= 1, got {list(periods)}")
@@ -421,7 +421,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compress",
-        choices=["none", "bf16", "fp16"],
+        choices=["none", *COMPRESS_DTYPES],
         default="none",
         help="16-bit deltas on the inter-node sync leg (default none)",
     )

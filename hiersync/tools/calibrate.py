@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 # The algorithm each intra collective is fitted with: gloo's broadcast is a binomial tree.
 _INTRA_FIT_ALGORITHM = {"reduce_scatter": "ring", "all_gather": "ring", "broadcast": "binomial"}
-_ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner", "binomial")
+_ALGORITHMS = cm.ALLREDUCE_ALGORITHMS  # the cost model's single-level all-reduce algorithms
 
 
 # ---------------------------------------------------------------------------
