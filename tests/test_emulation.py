@@ -142,7 +142,8 @@ SITES = {
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
     # In pure-hook mode the step's join waits on the average before complete() reads it;
     # after optimizer.step() (attached, overlap) complete() is the only reader.
-    "averaged_params_written_unwaited": ("hiersync.localsgd", "complete", OVERLAP),
+    "averaged_params_written_unwaited": ("hiersync.shards", "complete", OVERLAP),
+    "gathered_shards_written_unwaited": ("hiersync.shards", "write", OVERLAP),
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
     "finite_flag_read_unwaited": ("hiersync.ddp", "_with_flag", PARITY),
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
