@@ -260,6 +260,7 @@ def test_accel_model_sleeps_with_real_gradients():
             cpu += time.process_time() - c0
         grads[compute] = [p.grad for p in model.parameters()]
         if compute == "accel":
+            assert bench_worker.SLEPT["asked"] >= 3 * 4 * 0.030 - 1e-9
             assert wall >= 3 * 4 * 0.030 * 0.95  # 10 ms forward + 20 ms backward per layer
             assert cpu < 0.3 * wall  # the host is idle while the "device" computes
     assert [g.shape for g in grads["accel"]] == [g.shape for g in grads["cpu"]]
@@ -360,6 +361,9 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
         assert rows[c, "hiersync_p2_overlap_bf16"]["inter_mb_sent_per_step"] > 0
         assert rows[c, "hiersync_p2_overlap_bf16"]["inter_mb_step_peak"] > 0
         assert rows[c, "ddp"]["inter_source"] == "modelled"
+    asked, slept = rows["accel", "ddp"]["accel_asked_s"], rows["accel", "ddp"]["accel_slept_s"]
+    assert asked == pytest.approx(4 * 0.003) and slept >= asked  # 4 layers x (1 ms forward + 2 ms backward)
+    assert rows["cpu", "ddp"]["accel_slept_s"] is None and "accel layers asked to sleep" in text
     stream = rows["cpu", "hiersync_p2_stream"]
     assert stream["unsupported"] or stream["inter_mb_step_peak"] < rows["cpu", "hiersync_p1"]["inter_mb_step_peak"]
     assert (out / "step_breakdown.png").read_bytes()[:4] == b"\x89PNG"

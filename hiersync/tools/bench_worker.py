@@ -42,7 +42,7 @@ def _accel_function():
 
         @staticmethod
         def forward(ctx: Any, x: Any, weight: Any, bias: Any, fwd_s: float, bwd_s: float) -> Any:
-            time.sleep(fwd_s)  # the device computes; the host is idle
+            _sleep(fwd_s)  # the device computes; the host is idle
             xbar = x.detach().mean(0)
             scale = 1.0 / math.sqrt(weight.shape[1])
             ctx.save_for_backward(xbar)
@@ -52,7 +52,7 @@ def _accel_function():
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
             (g,) = grads
-            time.sleep(ctx.bwd_s)
+            _sleep(ctx.bwd_s)
             (xbar,) = ctx.saved_tensors
             gsum = g.sum(0)
             return g, torch.outer(gsum, xbar).mul_(ctx.scale), gsum, None, None
@@ -62,6 +62,15 @@ def _accel_function():
 
 
 _ACCEL_FN: Any = None
+SLEPT = {"asked": 0.0, "slept": 0.0}
+"""Seconds the accel layers asked to sleep and actually slept (wake-up latency on a busy machine)."""
+
+
+def _sleep(seconds: float) -> None:
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    SLEPT["asked"] += seconds
+    SLEPT["slept"] += time.perf_counter() - t0
 
 
 def accel_linear(width: int, fwd_ms: float, bwd_ms: float) -> Any:
@@ -417,6 +426,7 @@ def _run_one(
     stats0 = state.stats.as_dict() if state is not None else None
     attributed = [step(True) for _ in range(steps)]
     dist.barrier()
+    slept0 = dict(SLEPT)
     t0 = time.perf_counter()
     ends = []
     inter_steps: list[float] = []
@@ -431,6 +441,8 @@ def _run_one(
         elif modelled is not None:
             inter_steps.append(modelled())
     elapsed = time.perf_counter() - t0
+    # accel: compute time per timed step as asked, and as the scheduler delivered it
+    sleep_per_step = {k: (SLEPT[k] - slept0[k]) / steps for k in SLEPT} if compute == "accel" else None
     stats1 = state.stats.as_dict() if state is not None else None
     if state is not None:
         state.drain()  # an overlapped sync still in flight lands before the next run
@@ -456,6 +468,7 @@ def _run_one(
         **base,
         "attributed": attributed,
         "unsync_elapsed": elapsed,
+        "accel_sleep_per_step": sleep_per_step,
         "unsync_step_ends": [e - t0 for e in ends],
         "bytes_sent_per_step": inter,
         # inter-node bytes this rank sent in each unsynchronized step: counted by hiersync,

@@ -123,6 +123,7 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
         ]
         row.update(dict.fromkeys(numbers))
         row["inter_source"] = run0.get("inter_bytes_source")
+        row["accel_asked_s"] = row["accel_slept_s"] = None
         if row["unsupported"]:
             rows.append(row)
             continue
@@ -159,6 +160,10 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
                 "inter_mb_step_peak": max(inter) / 1e6 if inter else None,
             }
         )
+        sleeps = [r["accel_sleep_per_step"] for r in runs if r.get("accel_sleep_per_step")]
+        if sleeps:  # the slowest rank's delivered compute per step
+            row["accel_asked_s"] = max(x["asked"] for x in sleeps)
+            row["accel_slept_s"] = max(x["slept"] for x in sleeps)
         rows.append(row)
     merged = _merge_repeats(rows)
     _add_ratios(merged)
@@ -356,6 +361,9 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
             lines += ["| " + " | ".join(b + [""] * (len(head) - len(b))) + " |" for b in body]
             if modelled:
                 lines += ["", MODELLED_NOTE]
+            note = _sleep_note(rs)
+            if note:
+                lines += ["", note]
             lines.append("")
         else:
             full = [b for b in body if len(b) == len(head)]
@@ -368,8 +376,24 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
                 lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
             if modelled:
                 lines.append(MODELLED_NOTE)
+            note = _sleep_note(rs)
+            if note:
+                lines.append(note)
             lines.append("")
     return "\n".join(lines)
+
+
+def _sleep_note(rows: Sequence[dict]) -> str | None:
+    """accel: how long the layers slept per step against what they asked (a busy machine wakes them late)."""
+    pairs = [(r["accel_asked_s"], r["accel_slept_s"]) for r in rows if r.get("accel_slept_s") is not None]
+    if not pairs:
+        return None
+    asked = statistics.fmean(a for a, _ in pairs)
+    slept = [s for _, s in pairs]
+    return (
+        f"accel layers asked to sleep {asked:.3f} s per step and slept {min(slept):.3f}-{max(slept):.3f} s "
+        "(slowest rank; the excess is the scheduler waking them late on a loaded machine)"
+    )
 
 
 def _plots(rows: Sequence[dict]) -> dict[str, bytes]:
