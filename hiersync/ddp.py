@@ -13,9 +13,11 @@ only on the steps the :class:`~hiersync.schedule.Schedule` says:
   :class:`~hiersync.sync.CrossNodeSync` engine runs it right after ``optimizer.step()``;
   with ``overlap=True`` it is launched there and applied one step later.
 
-A step's buckets are released to DDP together, once *every* bucket's collectives have
-completed (a failure is reported only then, so nothing still writes a buffer that DDP or
-the optimizer reads), after the :class:`~hiersync.guard.NonFiniteGuard` has judged them.
+A bucket goes to DDP as soon as its own collectives are done, unless its step must decide
+first (a pure-hook sync step, or ``nonfinite="raise"``); the
+:class:`~hiersync.guard.NonFiniteGuard`'s verdict is awaited before ``optimizer.step()``.
+A failure is reported only once *every* bucket's collectives have completed, so nothing
+still writes a buffer that DDP or the optimizer reads.
 
 Example::
 
@@ -27,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -47,7 +50,7 @@ from .localsgd import Launched, ParamAverager
 from .shards import ShardedAverager
 from .stats import Stats
 from .sync import CrossNodeSync, world_mean
-from .topology import Topology, world_timeout
+from .topology import Topology, check_layout, world_timeout
 from .vocab import StepKind
 
 __all__ = ["HierState", "hook", "register", "HierSyncError"]
@@ -135,7 +138,9 @@ class HierState:
         self._model: torch.nn.Module | None = None
         self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
         self._closed = False
-        logger.info("hiersync: %s, %s", self.topology.describe(), cfg)
+        if self.rank == 0:
+            logger.info("hiersync: topology %s; %s", self.topology.describe(), cfg)
+        check_layout(self.topology, cfg.period, self.rank)
 
     # ------------------------------------------------------------------ public
     @property
@@ -248,7 +253,9 @@ class HierState:
             self.averager.register(params)
         else:
             _check_same_device(buf, self._device)
-        with record_function(f"hiersync/hook_{kind}"):
+        # record_function costs ~50 us per bucket even with no profiler running: only when profiling
+        profiling = torch.autograd._profiler_enabled()
+        with record_function(f"hiersync/hook_{kind}") if profiling else contextlib.nullcontext():
             launched = None
             if kind == EXACT:
                 fut = self.exact.reduce(buf)
@@ -260,9 +267,12 @@ class HierState:
                 if pure_sync:
                     assert params is not None
                     launched = self.averager.launch(params)
-            # Judge each bucket as soon as it is reduced (overlapping the rest of backward).
-            reduced = then(fut, _with_flag if self.guard.enabled else _without_flag, buf.device, self._label())
             out = new_future(buf.device)
+            # Release the bucket to DDP as soon as it is reduced, unless its step must decide
+            # first (a pure-hook parameter write, or nonfinite="raise"); then flag it, off
+            # DDP's critical path. The verdict is awaited before optimizer.step() (guard).
+            early = launched is None and self.guard.policy != "raise"
+            reduced = then(fut, _Reduced(out if early else None, self.guard.enabled), buf.device, self._label())
             self._buckets.append(_Bucket(reduced, launched, out))
         if bucket.is_last():
             self._end_step(kind)
@@ -284,6 +294,7 @@ class HierState:
         step, buckets, self._buckets = self.step, self._buckets, []
         self.stats.count_step(kind, step)
         sources = [b.reduced for b in buckets] + [b.params.future for b in buckets if b.params is not None]
+        self.guard.expect(step)  # optimizer.step() waits for this step's verdict (buckets may be released early)
         joined = when_all(sources, self._device or torch.device("cpu"), self._label())
         where = f"step {step} ({kind} step) on rank {self.rank}"
         joined.add_done_callback(lambda j: _release(self.guard, self.averager, buckets, j, step, kind, where))
@@ -339,10 +350,14 @@ def _release(
     except Exception as e:
         err = e if isinstance(e, NonFiniteError) else wrap(e, where)
         for b in buckets:
-            b.out.set_exception(err)
+            if not b.out.done():  # buckets released early already went to DDP
+                b.out.set_exception(err)
         return
+    finally:
+        guard.decided(step)
     for b, (t, _) in zip(buckets, results):
-        settle(b.out, t)
+        if not b.out.done():
+            settle(b.out, t)
 
 
 def _check_usable(state: HierState) -> None:
@@ -404,13 +419,18 @@ def _check_optimizer_owns(optimizer: torch.optim.Optimizer, params: Any) -> None
 _DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _with_flag(fut: torch.futures.Future) -> tuple[torch.Tensor, torch.Tensor]:
-    t = wait(fut)
-    return t, flag(t)
+class _Reduced:
+    """A bucket's reduced gradient, its finite flag, and (``early``) DDP's future set first."""
 
+    def __init__(self, early: torch.futures.Future | None, flagged: bool) -> None:
+        self.early, self.flagged = early, flagged
 
-def _without_flag(fut: torch.futures.Future) -> tuple[torch.Tensor, None]:
-    return wait(fut), None
+    def __call__(self, fut: torch.futures.Future) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = wait(fut)
+        if self.early is not None:
+            settle(self.early, t)  # DDP may copy this bucket into .grad now
+            t = wait(self.early)  # and this reader waits on what it was given, like any other
+        return t, (flag(t) if self.flagged else None)
 
 
 def _skip_owned(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:

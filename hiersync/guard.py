@@ -67,6 +67,9 @@ class NonFiniteGuard:
         self.stats = stats
         self._verdict: _Verdict | None = None
         self._lock = threading.Lock()
+        self._decided = threading.Event()  # the current step's verdict is in (or failed)
+        self._decided.set()
+        self._deciding = -1
 
     @property
     def enabled(self) -> bool:
@@ -99,8 +102,25 @@ class NonFiniteGuard:
         with self._lock:
             self._verdict = _Verdict(step, str(kind), ok, event)
 
+    def expect(self, step: int) -> None:
+        """``step``'s buckets are being reduced: :meth:`skip_update` waits for its verdict."""
+        with self._lock:
+            self._deciding = step
+            self._decided.clear()
+
+    def decided(self, step: int) -> None:
+        """``step``'s verdict is in (:meth:`judge` ran, or the step failed)."""
+        with self._lock:
+            if self._deciding == step:
+                self._decided.set()
+
     def skip_update(self) -> bool:
-        """Whether the last step's update must be skipped. Read on the host, counted once."""
+        """Whether the last step's update must be skipped. Read on the host, counted once.
+
+        Waits until the step's verdict is in: DDP may get its buckets (and ``backward()``
+        return) before the last flag is judged.
+        """
+        self._decided.wait()
         with self._lock:
             v = self._verdict
             if v is None:

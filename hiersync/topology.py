@@ -39,11 +39,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "parse_node_ids", "world_timeout"]
+__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "ENV_NODE_KEY", "parse_node_ids", "world_timeout", "check_layout"]
 
 logger = logging.getLogger(__name__)
 
 ENV_NODE_IDS = "HIERSYNC_NODE_IDS"
+ENV_NODE_KEY = "HIERSYNC_NODE_KEY"
+"""The *name* of an environment variable whose value, read on each rank, names its node
+(e.g. ``SLURM_NODEID``, or a Kubernetes node name passed through the downward API)."""
 
 
 def world_timeout(process_group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
@@ -98,6 +101,8 @@ class Topology:
     """Global ranks of each node, each tuple sorted; nodes ordered by their lowest rank."""
     _node_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _local: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    source: str = field(default="", repr=False, compare=False)
+    """How the nodes were found (``Topology.detect``), for the log."""
 
     def __post_init__(self) -> None:
         ranks = sorted(r for node in self.nodes for r in node)
@@ -158,13 +163,26 @@ class Topology:
         env = os.environ.get(ENV_NODE_IDS)
         if env:
             topo = cls.from_node_ids(parse_node_ids(env, world))
-            logger.debug("topology from %s=%s: %s", ENV_NODE_IDS, env, topo)
+            object.__setattr__(topo, "source", f"{ENV_NODE_IDS}")
+            return topo
+        var = os.environ.get(ENV_NODE_KEY, "").strip()
+        if var:
+            keys: list[object] = [None] * world
+            dist.all_gather_object(keys, os.environ.get(var), group=process_group)
+            missing = [r for r, k in enumerate(keys) if k is None]
+            if missing:
+                raise ValueError(
+                    f"{ENV_NODE_KEY}={var} but {var} is not set on ranks {missing[:8]}: set it on every rank "
+                    f"(e.g. {ENV_NODE_KEY}=SLURM_NODEID under srun) or unset {ENV_NODE_KEY}"
+                )
+            topo = cls.from_keys(keys)
+            object.__setattr__(topo, "source", f"{ENV_NODE_KEY}={var}")
             return topo
         key = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
-        keys: list[object] = [None] * world
+        keys = [None] * world
         dist.all_gather_object(keys, key, group=process_group)
         topo = cls.from_keys(keys)
-        logger.debug("topology from host identity %s: %s", keys, topo)
+        object.__setattr__(topo, "source", "hostname + GROUP_RANK")
         return topo
 
     # ----------------------------------------------------------------- queries
@@ -219,7 +237,13 @@ class Topology:
 
     def describe(self) -> str:
         shape = f"{self.num_nodes}x{len(self.nodes[0])}" if self.even else "uneven"
-        return f"{shape} ({self.num_nodes} nodes, world {self.world_size}): {list(map(list, self.nodes))}"
+        nodes = list(map(list, self.nodes))
+        shown = nodes if len(nodes) <= 4 else [*nodes[:2], "...", nodes[-1]]
+        how = f", detected from {self.source}" if self.source else ""
+        return (
+            f"{shape} ({self.num_nodes} nodes, {self.max_ranks_per_node} ranks per node at most, "
+            f"{len(self.rails)} rails, world {self.world_size}{how}): {shown}"
+        )
 
     def _check(self, rank: int) -> int:
         if not 0 <= rank < self.world_size:
@@ -252,10 +276,15 @@ class Topology:
         kw = {} if timeout is None else {"timeout": timeout}
         logger.debug("hiersync: subgroups use timeout %s", timeout)
 
-        def make(ranks_list: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+        def make(ranks_list: Sequence[Sequence[int]], desc: str) -> dist.ProcessGroup | None:
+            # group_desc names the group in NCCL's flight recorder and watchdog messages
             mine = None
-            for ranks in ranks_list:
-                g = dist.new_group(list(ranks), **kw)
+            for i, ranks in enumerate(ranks_list):
+                name = desc.format(i=i)
+                try:
+                    g = dist.new_group(list(ranks), group_desc=name, **kw)
+                except TypeError:  # torch without group_desc
+                    g = dist.new_group(list(ranks), **kw)
                 if rank in ranks:
                     mine = g
             return mine
@@ -263,9 +292,9 @@ class Topology:
         # Two intra groups: the second carries collectives that are launched from future
         # callbacks (all-gathers after the rail leg); keeping them off the first group means
         # every group sees its collectives issued in one deterministic order on every rank.
-        intra = make(self.nodes)
-        intra_late = make(self.nodes)
-        rail = make(self.rails)
+        intra = make(self.nodes, "hiersync/intra{i}")
+        intra_late = make(self.nodes, "hiersync/intra{i}_late")
+        rail = make(self.rails, "hiersync/rail{i}")
         return Groups(topology=self, rank=rank, intra=intra, intra_late=intra_late, rail=rail)
 
 
@@ -302,3 +331,39 @@ class Groups:
         for g in {id(g): g for g in (self.intra, self.intra_late, self.rail) if g is not None}.values():
             dist.destroy_process_group(g)
         self.intra = self.intra_late = self.rail = None
+
+
+def check_layout(topo: Topology, period: int, rank: int) -> list[str]:
+    """Warnings about a node layout that would silently defeat hierarchical sync.
+
+    Returns the messages (also issued as ``UserWarning`` and logged; the layout-wide ones
+    on rank 0 only, the per-node one on each node's first rank).
+    """
+    import warnings
+
+    out = []
+    fix = (
+        f"if the real nodes hold several ranks, name them with {ENV_NODE_KEY} (e.g. {ENV_NODE_KEY}=SLURM_NODEID, "
+        "or a Kubernetes node name passed through the downward API)"
+    )
+    if rank == 0 and period > 1 and topo.max_ranks_per_node == 1 and topo.world_size > 1:
+        out.append(
+            f"hiersync: every node holds one rank (detected from {topo.source or 'node ids'}), so local steps "
+            f"average nothing and period={period} is per-GPU local SGD; {fix}"
+        )
+    if rank == 0 and period > 1 and topo.num_nodes == 1 and topo.world_size > 1:
+        out.append(
+            f"hiersync: all {topo.world_size} ranks are on one node (detected from {topo.source or 'node ids'}), "
+            f"so period={period} saves no inter-node traffic; containers sharing one hostname? {fix}"
+        )
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+    node = topo.node_ranks(rank)
+    if local_world.isdigit() and rank == node[0] and len(node) > int(local_world):
+        out.append(
+            f"hiersync: node {topo.node_of(rank)} holds {len(node)} ranks but torchrun's LOCAL_WORLD_SIZE is "
+            f"{local_world} (several agents share one hostname?); {fix}"
+        )
+    for msg in out:
+        logger.warning("%s", msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+    return out

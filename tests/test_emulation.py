@@ -145,7 +145,7 @@ SITES = {
     "averaged_params_written_unwaited": ("hiersync.shards", "complete", OVERLAP),
     "gathered_shards_written_unwaited": ("hiersync.shards", "write", OVERLAP),
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
-    "finite_flag_read_unwaited": ("hiersync.ddp", "_with_flag", PARITY),
+    "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
     "after_reads_unwaited": ("hiersync.futures", "cb", PARITY),
     "synchronize_reads_unwaited": ("hiersync.sync", "world_mean", SYNCHRONIZE),

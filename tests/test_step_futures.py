@@ -35,9 +35,14 @@ def _error_of(fut) -> str:
     return str(info.value)
 
 
-def test_step_fails_only_after_every_bucket_is_done(world1):
-    """The dead-peer race: one bucket failed while another still runs (issue 9, part 1)."""
-    state = HierState(period=1)
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_step_fails_only_after_every_bucket_is_done(world1, nonfinite):
+    """The dead-peer race: one bucket failed while another still runs (issue 9, part 1).
+
+    A bucket reduced without error goes to DDP as soon as it is done ("skip"); with
+    ``nonfinite="raise"`` the step decides first, so every bucket of the step fails.
+    """
+    state = HierState(period=1, nonfinite=nonfinite)
     running = torch.futures.Future()
     results = iter([running, failed(RuntimeError("Connection closed by peer"))])
     state.comm.allreduce = lambda buf: next(results)
@@ -47,7 +52,10 @@ def test_step_fails_only_after_every_bucket_is_done(world1):
     # (".value() INTERNAL ASSERT FAILED ... please report a bug to PyTorch").
     assert not out0.done() and not out1.done()
     running.set_result(torch.ones(4))
-    for out in (out0, out1):
+    failing = [out1] if nonfinite == "skip" else [out0, out1]
+    if nonfinite == "skip":
+        assert torch.equal(wait(out0), torch.ones(4))
+    for out in failing:
         text = _error_of(out)
         assert "hiersync" in text and "step 0" in text and "Connection closed by peer" in text, text
         assert "INTERNAL ASSERT" not in text, text
