@@ -144,6 +144,22 @@ def detect_topology() -> list[list[int]]:
     return [list(n) for n in hiersync.Topology.detect().nodes]
 
 
+def detect_by_node_key(missing_on: int = -1) -> tuple[list[list[int]], str]:
+    """HIERSYNC_NODE_KEY=FAKE_NODE, with FAKE_NODE naming the node of each rank (2 per node)."""
+    import os
+
+    if dist.get_rank() != missing_on:
+        os.environ["FAKE_NODE"] = f"node-{dist.get_rank() // 2}"
+    topo = hiersync.Topology.detect()
+    return [list(n) for n in topo.nodes], topo.source
+
+
+def group_descriptions() -> list[str]:
+    state = hiersync.HierState(period=2)
+    g = state.groups
+    return [getattr(x, "group_desc", "?") for x in (g.intra, g.intra_late, g.rail)]
+
+
 def detect_by_group_rank() -> list[list[int]]:
     import os
 

@@ -126,3 +126,52 @@ def test_detect_rejects_malformed_env():
 def test_detect_needs_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         Topology.detect()
+
+
+# ------------------------------------------------------------------ real-cluster safety (issue 13)
+def test_node_key_names_an_env_var_read_on_each_rank():
+    # e.g. HIERSYNC_NODE_KEY=SLURM_NODEID, or a Kubernetes node name via the downward API
+    from hiersync._launch import run
+
+    res = run(ranks.detect_by_node_key, 4, env={"HIERSYNC_NODE_KEY": "FAKE_NODE"}, timeout=60)
+    assert all(r == ([[0, 1], [2, 3]], "HIERSYNC_NODE_KEY=FAKE_NODE") for r in res), res
+
+
+def test_node_key_unset_on_one_rank_fails_on_every_rank():
+    from hiersync._launch import run_all
+
+    outs = run_all(ranks.detect_by_node_key, 4, (3,), env={"HIERSYNC_NODE_KEY": "FAKE_NODE"}, timeout=60)
+    for o in outs:  # every rank raises (none hangs), naming the variable and the ranks
+        assert o.exitcode != 0 and "FAKE_NODE is not set on ranks [3]" in (o.error or ""), o
+
+
+def test_subgroups_carry_a_group_desc_for_nccl_traces():
+    res = launch(ranks.group_descriptions, [0, 0, 1, 1])
+    assert res[0] == ["hiersync/intra0", "hiersync/intra0_late", "hiersync/rail0"], res[0]
+    assert res[3] == ["hiersync/intra1", "hiersync/intra1_late", "hiersync/rail1"], res[3]
+
+
+@pytest.mark.parametrize(
+    "node_ids, period, rank, env, expect",
+    [
+        ([0, 1, 2, 3], 4, 0, {}, "every node holds one rank"),  # one container per GPU
+        ([0, 0, 0, 0], 4, 0, {}, "all 4 ranks are on one node"),  # one shared hostname, no GROUP_RANK
+        ([0, 0, 1, 1], 4, 2, {"LOCAL_WORLD_SIZE": "1"}, "holds 2 ranks but torchrun's LOCAL_WORLD_SIZE is 1"),
+        ([0, 1, 2, 3], 1, 0, {}, None),  # period 1 is exact: nothing to warn about
+        ([0, 0, 1, 1], 4, 0, {"LOCAL_WORLD_SIZE": "2"}, None),
+        ([0, 1, 2, 3], 4, 1, {}, None),  # layout-wide warnings come from rank 0 only
+    ],
+)
+def test_layout_warnings(monkeypatch, node_ids, period, rank, env, expect):
+    from hiersync.topology import check_layout
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    topo = Topology.from_node_ids(node_ids)
+    if expect is None:
+        assert check_layout(topo, period, rank) == []
+        return
+    with pytest.warns(UserWarning, match=expect):
+        msgs = check_layout(topo, period, rank)
+    assert len(msgs) == 1 and "HIERSYNC_NODE_KEY" in msgs[0], msgs
