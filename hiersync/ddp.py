@@ -47,9 +47,8 @@ from .exact import ExactPolicy
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import Launched, ParamAverager
-from .shards import ShardedAverager
 from .stats import Stats
-from .sync import CrossNodeSync, world_mean
+from .sync import build_sync, world_mean
 from .topology import Topology, check_layout, world_timeout
 from .vocab import StepKind
 
@@ -95,13 +94,7 @@ class HierState:
         **options: Any,
     ) -> None:
         self.config = cfg = HierConfig(period=period, warmup_steps=warmup_steps, **options)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "hiersync.HierState needs an initialized process group: call "
-                "torch.distributed.init_process_group() on every rank first"
-            )
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a hiersync.Topology, got {type(topology).__name__}")
+        _check_constructible(topology)
         self.schedule = cfg.schedule
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._world_group = dist.group.WORLD  # the groups below die with it
@@ -113,13 +106,7 @@ class HierState:
             comm = HierComm(groups, Stats(), label=self._label, intra_algorithm=cfg.intra_algorithm)
         self.comm = comm
         self.topology, self.groups, self.stats = comm.topology, comm.groups, comm.stats
-        self.averager = ParamAverager(
-            comm, compress=_DTYPES[cfg.compress], outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum
-        )
-        # After optimizer.step() a rank keeps the state of its 1/L shard only (shards.py); uneven nodes keep it whole.
-        sharded = self.topology.even and self.topology.num_nodes > 1
-        engine_averager = ShardedAverager(self.averager, cfg.state_device) if sharded else self.averager
-        self.engine = CrossNodeSync(engine_averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+        self.averager, self.engine = build_sync(comm, cfg)
         self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)
         self.step = 0
@@ -138,9 +125,7 @@ class HierState:
         self._model: torch.nn.Module | None = None
         self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
         self._closed = False
-        if self.rank == 0:
-            logger.info("hiersync: topology %s; %s", self.topology.describe(), cfg)
-        check_layout(self.topology, cfg.period, self.rank)
+        check_layout(self.topology, cfg.period, self.rank, detail=str(cfg))
 
     # ------------------------------------------------------------------ public
     @property
@@ -162,12 +147,7 @@ class HierState:
         Then every rank holds identical parameters after each sync step (without
         ``overlap``). Uses ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if self._optimizer is not None:
-            raise RuntimeError("an optimizer is already attached to this HierState; attach exactly one")
-        if self._model is not None:
-            _check_optimizer_owns(optimizer, self._model.parameters())
+        _check_attachable(self, optimizer)
         self._optimizer = optimizer
         self._handles = [
             optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -360,6 +340,25 @@ def _release(
             settle(b.out, t)
 
 
+def _check_constructible(topology: Any) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "hiersync.HierState needs an initialized process group: call "
+            "torch.distributed.init_process_group() on every rank first"
+        )
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a hiersync.Topology, got {type(topology).__name__}")
+
+
+def _check_attachable(state: HierState, optimizer: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if state._optimizer is not None:
+        raise RuntimeError("an optimizer is already attached to this HierState; attach exactly one")
+    if state._model is not None:
+        _check_optimizer_owns(optimizer, state._model.parameters())
+
+
 def _check_usable(state: HierState) -> None:
     if state._closed:
         raise RuntimeError("this HierState was closed; build a new one and register the hook again")
@@ -414,9 +413,6 @@ def _check_optimizer_owns(optimizer: torch.optim.Optimizer, params: Any) -> None
             f"attach_optimizer: the optimizer does not own {len(missing)} of the model's parameters "
             f"(shapes {missing[:3]}...); build the optimizer from ddp_model.parameters()"
         )
-
-
-_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _Reduced:

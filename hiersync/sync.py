@@ -39,7 +39,7 @@ from .localsgd import ParamAverager, Pending, chunk_by_bytes
 from .schedule import Schedule, fragment_layout
 from .shards import ShardedAverager
 
-__all__ = ["CrossNodeSync", "world_mean"]
+__all__ = ["CrossNodeSync", "build_sync", "world_mean"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,25 @@ class CrossNodeSync:
             )
             for p in pending
         ]
+
+
+_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_sync(comm: Any, cfg: Any) -> tuple[ParamAverager, CrossNodeSync]:
+    """The averager (registry, pure-hook state) and the post-step engine for a ``HierConfig``.
+
+    After ``optimizer.step()`` a rank keeps the local-SGD state of its 1/L shard only
+    (:mod:`hiersync.shards`); uneven nodes and a single node keep it whole.
+    """
+    averager = ParamAverager(
+        comm, compress=_DTYPES[cfg.compress], outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum
+    )
+    topo = comm.topology
+    sharded = topo.even and topo.num_nodes > 1
+    engine_averager = ShardedAverager(averager, cfg.state_device) if sharded else averager
+    engine = CrossNodeSync(engine_averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+    return averager, engine
 
 
 def _launch_owed(ref: weakref.ref) -> None:

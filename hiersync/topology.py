@@ -333,14 +333,17 @@ class Groups:
         self.intra = self.intra_late = self.rail = None
 
 
-def check_layout(topo: Topology, period: int, rank: int) -> list[str]:
-    """Warnings about a node layout that would silently defeat hierarchical sync.
+def check_layout(topo: Topology, period: int, rank: int, detail: str = "") -> list[str]:
+    """Log the topology once (rank 0) and warn about a layout that would silently defeat
+    hierarchical sync.
 
-    Returns the messages (also issued as ``UserWarning`` and logged; the layout-wide ones
+    Returns the warnings (also issued as ``UserWarning`` and logged; the layout-wide ones
     on rank 0 only, the per-node one on each node's first rank).
     """
     import warnings
 
+    if rank == 0:
+        logger.info("hiersync: topology %s%s", topo.describe(), f"; {detail}" if detail else "")
     out = []
     fix = (
         f"if the real nodes hold several ranks, name them with {ENV_NODE_KEY} (e.g. {ENV_NODE_KEY}=SLURM_NODEID, "
