@@ -1,0 +1,77 @@
+"""Host-side copy time of one cross-node sync's launch and completion (issue 12 item 2).
+
+Compares, in one process with the communication mocked (no processes, no network), the
+whole-vector path (``ParamAverager``: ``torch.cat`` of the chunk's parameters, delta and
+cast of the whole vector, whole-vector target maths) with the sharded one
+(``ShardedAverager``: this rank's 1/L shard only, in-place target maths), for an 8-layer
+MLP of 8.4M parameters, bf16 deltas and the outer Nesterov step, as a rank of a node of L
+ranks sees it. The node gather of the sharded path is a collective and is not timed here.
+
+    python benchmarks/sync_copies.py [--ranks-per-node 2] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+
+from hiersync.futures import completed
+from hiersync.localsgd import ParamAverager
+from hiersync.shards import ShardedAverager
+
+
+def _fake_comm(L: int):
+    groups = types.SimpleNamespace(node_size=L, local_rank=0)
+    return types.SimpleNamespace(
+        groups=groups,
+        average_across_nodes=lambda t: completed(t),
+        average_shard=lambda t: completed(t),
+    )
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(8)]
+    comm = _fake_comm(args.ranks_per_node)
+    opts = dict(compress=torch.bfloat16, outer_lr=0.7, outer_momentum=0.9)
+    whole = ParamAverager(comm, **opts)
+    whole.register(params)
+    whole.capture_anchor(params)
+    sharded = ShardedAverager(ParamAverager(comm, **opts))
+    sharded.base.register(params)
+    idx = list(range(len(params)))
+    sharded.capture_chunks([idx])
+
+    def cycle(avg) -> None:  # launch with a snapshot (overlap), complete, correction
+        launched = avg.launch(params, keep_snapshot=True)
+        target = avg.complete(launched)
+        target.sub_(launched.snapshot)
+
+    t_whole, t_shard = _time(lambda: cycle(whole), args.repeats), _time(lambda: cycle(sharded), args.repeats)
+    n = sum(p.numel() for p in params)
+    print(f"{n / 1e6:.1f}M parameters, bf16 deltas + outer Nesterov, L={args.ranks_per_node}, median of {args.repeats}")
+    print(f"whole-vector launch+complete: {t_whole * 1e3:7.1f} ms")
+    print(f"1/L shard    launch+complete: {t_shard * 1e3:7.1f} ms  ({t_shard / t_whole:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
