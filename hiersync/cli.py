@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "collbench": ("hiersync.tools.collbench", "nccl-tests-like collective microbenchmark per level"),
     "testbed": ("hiersync.tools.testbed", "run a script on an emulated multi-node cluster (netns + shaped link)"),
+    "check": (
+        "hiersync.tools.check",
+        "day-one cluster check under torchrun: topology, parity with DDP, bandwidth, memory, profile",
+    ),
     "calibrate": ("hiersync.tools.calibrate", "measure alpha/beta per level and write a JSON profile"),
     "plan": ("hiersync.costmodel.planner", "predict step communication time and recommend bucket size and k"),
     "project": ("hiersync.costmodel.projection", "tabulate and plot predicted times for 8..1024 GPUs"),
