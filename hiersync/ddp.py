@@ -200,8 +200,10 @@ class HierState:
             h.remove()
         self._handles = []
         self._unhook_skip()
-        self.engine.close()
+        self.engine.close()  # and the registry: DDP keeps this state alive as long as the model
         self.groups.destroy()
+        self._model = self._optimizer = None
+        self._buckets = []
 
     def __enter__(self) -> HierState:
         return self

@@ -275,6 +275,11 @@ class ParamAverager:
         """Registry positions grouped into chunks of at most ``max_bytes`` of fp32 (>= 1 param)."""
         return chunk_by_bytes([p.numel() * 4 for p in self.params], max_bytes)
 
+    def release(self) -> None:
+        """Forget the parameters and their state (the owner is closed)."""
+        self.params, self._index = [], {}
+        self.anchor, self.momentum, self._pending_load = {}, {}, {}
+
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict:
         n = len(self.params)

@@ -231,6 +231,11 @@ class ShardedAverager:
             else:
                 p.copy_(v)
 
+    def release(self) -> None:
+        """Forget the parameters and their state (the owner is closed)."""
+        self.base.release()
+        self._chunks, self._loaded, self._scratch = {}, [], None
+
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
         """The pure-hook per-parameter state plus this rank's shards (saved by every rank)."""

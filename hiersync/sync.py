@@ -116,9 +116,14 @@ class CrossNodeSync:
             self.launch_deferred(fragments, apply_at=step + 1 + max(self.overlap, 1))
 
     def close(self) -> None:
-        """Drop syncs in flight and the forward pre-hook."""
+        """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
+
+        DDP keeps its comm hook's state alive as long as the DDP module lives, so a closed
+        state must not keep the model, its copies or the optimizer alive with it.
+        """
         self._unhook()
-        self.pending, self.due = [], None
+        self.pending, self.due, self._layout = [], None, None
+        self.averager.release()
 
     def _unhook(self) -> None:
         if self._forward_hook is not None:

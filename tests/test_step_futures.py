@@ -237,3 +237,18 @@ def test_close_releases_hooks_and_groups(world1):
     assert "average" not in comm.calls
     with pytest.raises(RuntimeError, match="was closed"):
         _backward(model)
+
+
+def test_closed_state_keeps_no_model_alive(world1):
+    """DDP holds its hook's state as long as it lives: a closed state must not hold the model."""
+    import gc
+    import weakref
+
+    model, opt, _comm, state = _setup(period=2, compress="bf16")
+    _backward(model)
+    opt.step()
+    probe = weakref.ref(next(model.parameters()))
+    state.close()
+    del model, opt
+    gc.collect()
+    assert probe() is None, "the closed HierState still references the model's parameters"
