@@ -64,7 +64,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hiersync.vocab import parse_count
+from hiersync.vocab import NONFINITE_MODES, parse_count
 
 from .bench_spec import (
     COMPUTE_MODELS,
@@ -335,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--nonfinite",
-        choices=("skip", "raise", "ignore"),
+        choices=NONFINITE_MODES,
         default="skip",
         help="HierState(nonfinite=...) of the hiersync schedules (default: hiersync's default, skip)",
     )
