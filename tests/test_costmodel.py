@@ -455,6 +455,20 @@ def test_profile_intra_broadcast_round_trip():
         replace(prof, intra_broadcast=(5e-4, 5e-10))
 
 
+def test_profile_copy_and_compute_round_trip():
+    prof = replace(cm.PRESETS["emulated"], copy_gbps=2.5, forward_s=0.1, backward_s=0.2)
+    again = cm.Profile.from_json(prof.to_json())
+    assert (again.copy_gbps, again.forward_s, again.backward_s) == (2.5, 0.1, 0.2)
+    old = prof.to_json()
+    for key in ("copy_gbps", "forward_s", "backward_s"):
+        del old[key]  # a profile written before the fields existed
+    assert cm.Profile.from_json(old).copy_gbps is None
+    with pytest.raises(ValueError, match="copy_gbps"):
+        replace(prof, copy_gbps=0)
+    assert all(p.copy_gbps for p in cm.PRESETS.values())  # every preset states its device's copy speed
+    assert cm.default_copy_gbps("nccl") == 1000 and cm.default_copy_gbps("gloo") == 5
+
+
 def test_profile_validation():
     with pytest.raises(ValueError, match="lacks"):
         cm.Profile.from_json({"intra": LINK.to_json()})

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import replace
+
 import pytest
 
 from hiersync import cli
 from hiersync import costmodel as cm
-from hiersync.costmodel.planner import format_plan, make_plan
+from hiersync.costmodel.memory import sync_memory
+from hiersync.costmodel.planner import break_even_gbps, format_plan, make_plan
+from hiersync.costmodel.planner_cli import add_arguments, profile_from_args
 
 
 @pytest.fixture(scope="module")
 def h100_plan():
-    return make_plan(cm.PRESETS["h100-8rail"], params=7e9, dtype="bf16", nodes=128, gpus_per_node=8, backward_s=0.3)
+    return make_plan(
+        cm.PRESETS["h100-8rail"], params=7e9, dtype="bf16", nodes=128, gpus_per_node=8, backward_s=0.3, forward_s=0.15
+    )
 
 
 def test_h100_8rail_cannot_help_much(h100_plan):
@@ -28,7 +35,7 @@ def test_h100_8rail_cannot_help_much(h100_plan):
 
 @pytest.mark.parametrize("preset, nodes", [("a100-1nic", 16), ("pcie-25gbe", 8)])
 def test_few_slow_nics_recommend_period_above_one(preset, nodes):
-    plan = make_plan(cm.PRESETS[preset], params=7e9, nodes=nodes, gpus_per_node=8, backward_s=0.3)
+    plan = make_plan(cm.PRESETS[preset], params=7e9, nodes=nodes, gpus_per_node=8, backward_s=0.3, forward_s=0.15)
     assert plan.helps and plan.period > 1 and plan.use_hiersync
     assert "helps" in plan.verdict
     assert plan.recommended.speedup > 2
@@ -36,7 +43,9 @@ def test_few_slow_nics_recommend_period_above_one(preset, nodes):
 
 
 def test_recommendation_is_the_smallest_near_best_period():
-    plan = make_plan(cm.PRESETS["emulated"], params=25e6, dtype="fp32", backward_s=0.2, periods=(1, 2, 4, 8, 16))
+    plan = make_plan(
+        cm.PRESETS["emulated"], params=25e6, dtype="fp32", backward_s=0.2, forward_s=0.1, periods=(1, 2, 4, 8, 16)
+    )
     best = min(r.step_s for r in plan.rows if r.period is not None)
     assert plan.recommended.step_s <= best * 1.05
     smaller = [r for r in plan.rows if r.period is not None and r.period < plan.period]
@@ -44,7 +53,9 @@ def test_recommendation_is_the_smallest_near_best_period():
 
 
 def test_table_covers_every_schedule_and_bucket():
-    plan = make_plan(cm.PRESETS["emulated"], params=25e6, backward_s=0.2, periods=[4, 2], bucket_mb=[5, 25])
+    plan = make_plan(
+        cm.PRESETS["emulated"], params=25e6, backward_s=0.2, forward_s=0.1, periods=[4, 2], bucket_mb=[5, 25]
+    )
     names = [(r.schedule, r.bucket_mb) for r in plan.rows]
     for mb in (5, 25):
         for s in ("ddp", "hiersync k=2", "hiersync k=4", "intra-only"):
@@ -54,14 +65,14 @@ def test_table_covers_every_schedule_and_bucket():
 
 
 def test_one_node_has_nothing_to_save():
-    plan = make_plan(cm.PRESETS["a100-1nic"], params=1e9, nodes=1, backward_s=0.1)
+    plan = make_plan(cm.PRESETS["a100-1nic"], params=1e9, nodes=1, backward_s=0.1, forward_s=0.05)
     assert not plan.helps and "one node" in plan.verdict
 
 
 def test_compression_halves_fp32_sync_only():
-    fp32 = make_plan(cm.PRESETS["a100-1nic"], params=1e9, dtype="fp32", backward_s=0.1, compress="bf16")
+    fp32 = make_plan(cm.PRESETS["a100-1nic"], params=1e9, dtype="fp32", backward_s=0.1, forward_s=0.05, compress="bf16")
     assert fp32.compress_ratio == 0.5
-    bf16 = make_plan(cm.PRESETS["a100-1nic"], params=1e9, dtype="bf16", backward_s=0.1, compress="bf16")
+    bf16 = make_plan(cm.PRESETS["a100-1nic"], params=1e9, dtype="bf16", backward_s=0.1, forward_s=0.05, compress="bf16")
     assert bf16.compress_ratio == 1.0
 
 
@@ -78,11 +89,28 @@ def test_compression_halves_fp32_sync_only():
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        make_plan(cm.PRESETS["emulated"], **{"params": 1e6, "backward_s": 0.1, **kwargs})
+        make_plan(cm.PRESETS["emulated"], **{"params": 1e6, "backward_s": 0.1, "forward_s": 0.05, **kwargs})
 
 
 def test_cli_plan_preset_and_profile(tmp_path, capsys):
-    assert cli.main(["plan", "--preset", "a100-1nic", "--params", "1e9", "--nodes", "4", "--backward-ms", "100"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--preset",
+                "a100-1nic",
+                "--params",
+                "1e9",
+                "--nodes",
+                "4",
+                "--backward-ms",
+                "100",
+                "--forward-ms",
+                "50",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "recommend: bucket_cap_mb=" in out and "hiersync period=" in out
     path = cm.PRESETS["emulated"].save(tmp_path / "p.json")
@@ -115,7 +143,10 @@ def test_cli_plan_preset_and_profile(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def a100_plan():
-    return make_plan(cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, bucket_mb=[25])
+    return make_plan(
+        cm.PRESETS["a100-1nic"], params=7e9, dtype="bf16", nodes=16, gpus_per_node=8, backward_s=0.3, forward_s=0.15,
+        bucket_mb=[25],
+    )  # fmt: skip
 
 
 def test_plan_recommends_fragments_and_overlap(a100_plan):
@@ -124,12 +155,14 @@ def test_plan_recommends_fragments_and_overlap(a100_plan):
     assert (plan.period, plan.fragments, plan.overlap) == (8, 8, 1)
     assert plan.recommended.schedule == "hiersync k=8 F=8 tau=1"
     intra = next(r for r in plan.rows if r.period is None)
-    assert plan.recommended.step_s == pytest.approx(intra.step_s, rel=1e-3)
+    copies = cm.SYNC_COPIES * 14e9 / 8 / 1000e9  # the launch copies of one fragment at the preset's 1000 GB/s
+    assert plan.recommended.step_s == pytest.approx(intra.step_s + copies, rel=1e-3)
     whole = next(r for r in plan.rows if r.schedule == "hiersync k=8")
     assert plan.recommended.inter_bytes_peak == pytest.approx(whole.inter_bytes_peak / 8)
     text = format_plan(plan)
     assert "hiersync period=8, fragments=8, overlap=1 (after optimizer.step())" in text
-    assert "HierState(period=8, fragments=8, overlap=1) + state.attach_optimizer(optimizer)" in text
+    assert "state = hiersync.register(ddp, optimizer, period=8, warmup_steps=100, fragments=8, overlap=1)" in text
+    assert "DDP(model, device_ids=[local_rank], bucket_cap_mb=25)" in text
     assert "peak_inter_MB" in text
 
 
@@ -144,13 +177,14 @@ def test_streaming_grid_respects_its_bounds(a100_plan):
 def test_streaming_prefers_the_smallest_overlap_within_5_percent():
     # k=4 on a100 x 16: tau=1 hides 0.3 s of a fragment's transfer, tau=2 0.6 s; tau=0 hides none
     plan = make_plan(
-        cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, periods=[4], bucket_mb=[25]
-    )
+        cm.PRESETS["a100-1nic"], params=7e9, dtype="bf16", nodes=16, gpus_per_node=8, backward_s=0.3,
+        forward_s=0.15, periods=[4], bucket_mb=[25],
+    )  # fmt: skip
     row = next(r for r in plan.rows if " F=" in r.schedule)
     grid = {
         (f, t): cm.step_time(
             "hiersync", profile=plan.profile, grad_bytes=14e9, bucket_bytes=25 * 2**20, backward_s=0.3,
-            period=4, fragments=f, overlap=t,
+            compute_s=0.45, copy_s_per_byte=1 / 1000e9, period=4, fragments=f, overlap=t,
         ).step_s
         for f in (1, 2, 4, 8)
         for t in (0, 1, 2)
@@ -162,8 +196,9 @@ def test_streaming_prefers_the_smallest_overlap_within_5_percent():
 
 def test_no_streaming_rows_when_asked(a100_plan):
     plain = make_plan(
-        cm.PRESETS["a100-1nic"], params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, bucket_mb=[25], fragments=()
-    )
+        cm.PRESETS["a100-1nic"], params=7e9, dtype="bf16", nodes=16, gpus_per_node=8, backward_s=0.3,
+        forward_s=0.15, bucket_mb=[25], fragments=(),
+    )  # fmt: skip
     assert not [r for r in plain.rows if " F=" in r.schedule]
     assert (plain.period, plain.fragments, plain.overlap) == (8, 1, 0)
     assert [r for r in a100_plan.rows if " F=" not in r.schedule] == list(plain.rows)
@@ -174,17 +209,184 @@ def test_no_streaming_rows_when_asked(a100_plan):
 )
 def test_bad_streaming_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        make_plan(cm.PRESETS["emulated"], params=1e6, backward_s=0.1, **kwargs)
+        make_plan(cm.PRESETS["emulated"], params=1e6, backward_s=0.1, forward_s=0.05, **kwargs)
 
 
 def test_cli_plan_shows_streaming(capsys):
-    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16", "--backward-ms", "300"]
+    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--dtype", "bf16", "--nodes", "16"]
+    argv += ["--backward-ms", "300", "--forward-ms", "150"]
     assert cli.main([*argv, "--bucket-mb", "25"]) == 0
     out = capsys.readouterr().out
     assert "hiersync k=8 F=8 tau=1" in out and "fragments=8, overlap=1" in out and "peak_inter_MB" in out
     assert cli.main([*argv, "--bucket-mb", "25", "--fragments", "0"]) == 0
     out = capsys.readouterr().out
-    assert " F=" not in out and "fragments=1, overlap=0 (placement hook)" in out
+    assert " F=" not in out and "fragments=1, overlap=0 (in the hook)" in out
     argv += ["--bucket-mb", "25", "--fragments", "4", "--overlap", "0", "--copy-gbps", "1500"]
     assert cli.main(argv) == 0
     assert "hiersync k=4 F=4 tau=0" in capsys.readouterr().out
+
+
+# --- issue 13 part 3: an honest planner ----------------------------------------------------------
+
+A100 = dict(params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, forward_s=0.15)
+
+
+def test_compute_time_is_required_and_named():
+    with pytest.raises(ValueError, match="--backward-ms"):
+        make_plan(cm.PRESETS["a100-1nic"], params=1e9, forward_s=0.1)
+    with pytest.raises(ValueError, match="--forward-ms"):
+        make_plan(cm.PRESETS["a100-1nic"], params=1e9, backward_s=0.1)
+    with pytest.raises(ValueError, match="--forward-ms 0"):
+        make_plan(cm.PRESETS["a100-1nic"], params=1e9, backward_s=0.1, forward_s=0.0)
+    # a profile that records the compute time needs no flags
+    prof = replace(cm.PRESETS["a100-1nic"], backward_s=0.2, forward_s=0.1)
+    plan = make_plan(prof, params=1e9, break_even=False)
+    assert (plan.backward_s, plan.compute_s) == (0.2, pytest.approx(0.3))
+    assert make_plan(prof, params=1e9, compute_s=0.5, break_even=False).compute_s == 0.5
+
+
+def test_cli_without_compute_names_the_flag(capsys):
+    with pytest.raises(SystemExit, match="--forward-ms"):
+        cli.main(["plan", "--preset", "a100-1nic", "--params", "1e9", "--backward-ms", "100"])
+    with pytest.raises(SystemExit, match="--backward-ms"):
+        cli.main(["plan", "--preset", "a100-1nic", "--params", "1e9", "--forward-ms", "100"])
+
+
+def test_gradient_dtype_defaults_to_fp32():
+    plan = make_plan(cm.PRESETS["a100-1nic"], params=1e9, backward_s=0.1, forward_s=0.05, break_even=False)
+    assert plan.dtype == "fp32" and plan.grad_bytes == 4e9
+    assert "fp32" in format_plan(plan)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--preset", "emulated", "--params", "1"]).dtype == "fp32"
+    assert "autocast" in parser.format_help()
+
+
+def test_launch_copies_priced_in_every_after_step_row():
+    kw = dict(A100, bucket_mb=[25], periods=[4], break_even=False)
+    costly = make_plan(cm.PRESETS["a100-1nic"], placement="overlap", copy_s_per_byte=1e-10, **kw)
+    free = make_plan(cm.PRESETS["a100-1nic"], placement="overlap", copy_s_per_byte=0.0, **kw)
+    whole = [(a, b) for a, b in zip(costly.rows, free.rows) if a.schedule == "hiersync k=4 overlap"]
+    assert whole and all(a.step_s > b.step_s for a, b in whole)  # the whole-model overlap row pays them too
+    # the launch step exposes 2 copies of the model (F=1): 2 * 28 GB * 1e-10 s/B over k=4 steps
+    a, b = whole[0]
+    assert a.exposed_s - b.exposed_s == pytest.approx(2 * 28e9 * 1e-10 / 4, rel=0.05)
+    assert "given (copies free)" in free.copy_source and "given (10 GB/s)" in costly.copy_source
+
+
+def test_copy_speed_from_preset_or_assumed():
+    plan = make_plan(cm.PRESETS["h100-8rail"], **A100, bucket_mb=[25], break_even=False)
+    assert plan.copy_gbps == 1500 and "profile's" in plan.copy_source
+    bare = replace(cm.PRESETS["h100-8rail"], copy_gbps=None)
+    plan = make_plan(bare, **A100, bucket_mb=[25], break_even=False)
+    assert plan.copy_gbps == pytest.approx(1000) and "assumed" in plan.copy_source and "--copy-gbps" in plan.copy_source
+    gloo = make_plan(replace(cm.PRESETS["emulated"], copy_gbps=None), params=1e6, backward_s=0.1, forward_s=0.05)
+    assert gloo.copy_gbps == pytest.approx(5) and "CPU" in gloo.copy_source
+    assert "launch copies: assumed 1,000 GB/s" in format_plan(plan)
+
+
+def test_overlap_hides_only_tau_steps_of_compute():
+    # k=4 whole-model overlap on a100 x 16: the 28 GB sync takes ~2.3 s, one 0.45 s step hides part of it
+    plan = make_plan(cm.PRESETS["a100-1nic"], placement="overlap", **A100, periods=[4], bucket_mb=[25])
+    row = next(r for r in plan.rows if r.schedule == "hiersync k=4 overlap")
+    intra = next(r for r in plan.rows if r.schedule == "intra-only")
+    transfer = cm.param_sync_time(28e9, 16, 8, *(plan.profile.intra, plan.profile.inter, 1), "auto")
+    assert row.exposed_s - intra.exposed_s == pytest.approx((transfer - 0.45) / 4, rel=0.05)
+
+
+def test_grid_edge_warnings():
+    plan = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], break_even=False)
+    assert (plan.period, plan.fragments) == (8, 8)
+    assert any("largest tried (k=8)" in w and "--periods 1,2,4,8,16,32" in w for w in plan.warnings)
+    assert any("best F is the largest tried" in w and "--fragments" in w for w in plan.warnings)
+    assert "warning: the best k is the largest tried" in format_plan(plan)
+    wide = make_plan(
+        cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], periods=[1, 2, 4, 8, 16, 32, 64],
+        fragments=[1, 2, 4, 8, 16, 32, 64, 128], break_even=False,
+    )  # fmt: skip
+    assert wide.period < 64 and not wide.warnings
+    narrow = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], periods=[8], overlaps=[0, 1], break_even=False)
+    assert any("smallest tried (k=8)" in w for w in narrow.warnings)
+    assert any("best tau is the largest tried" in w and "--overlap 0,1,2" in w for w in narrow.warnings)
+    small = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[0.25, 1], periods=[1, 2], break_even=False)
+    assert any("bucket size is the largest tried (1 MB)" in w and "--bucket-mb 0.25,1,4" in w for w in small.warnings)
+
+
+def test_calibrated_on_fewer_nodes_is_said():
+    measured = replace(cm.PRESETS["a100-1nic"], nodes=2, metadata={"fits": {}})
+    assert measured.calibrated_nodes == 2 and cm.PRESETS["a100-1nic"].calibrated_nodes is None
+    plan = make_plan(measured, **A100, bucket_mb=[25], break_even=False)
+    assert any("calibrated on 2 nodes, extrapolated to 16" in w for w in plan.warnings)
+    same = make_plan(measured, **{**A100, "nodes": 2}, bucket_mb=[25], break_even=False)
+    assert not any("calibrated" in w for w in same.warnings)
+    stated = replace(cm.PRESETS["a100-1nic"], metadata={"calibrated_nodes": 4})
+    assert stated.calibrated_nodes == 4
+
+
+def test_network_from_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--params", "7e9", "--nodes", "16", "--gpus-per-node", "8", "--inter-gbps", "11.5", "--intra-gbps", "235"]
+    prof = profile_from_args(parser.parse_args([*argv, "--nics-per-node", "1"]))
+    a100 = cm.PRESETS["a100-1nic"]
+    assert (prof.intra, prof.inter, prof.rails, prof.backend) == (a100.intra, a100.inter, 1, "nccl")
+    assert (prof.nodes, prof.ranks_per_node) == (16, 8)
+    with pytest.raises(ValueError, match="--inter-gbps"):
+        profile_from_args(parser.parse_args(["--params", "1", "--intra-gbps", "200", "--nodes", "2"]))
+    # flags override a preset's fields
+    over = profile_from_args(parser.parse_args(["--preset", "h100-8rail", "--params", "1", "--inter-gbps", "25"]))
+    assert over.inter.bandwidth == pytest.approx(25e9) and over.inter.alpha == cm.PRESETS["h100-8rail"].inter.alpha
+    gloo = profile_from_args(parser.parse_args([*argv, "--backend", "gloo", "--inter-latency-us", "100"]))
+    assert gloo.inter.alpha == pytest.approx(100e-6) and gloo.intra.alpha == pytest.approx(30e-6)
+
+
+def test_cli_plan_from_flags(capsys):
+    argv = ["plan", "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8", "--inter-gbps", "11.5"]
+    argv += ["--nics-per-node", "1", "--intra-gbps", "235", "--backward-ms", "300", "--forward-ms", "150"]
+    assert cli.main([*argv, "--bucket-mb", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "profile flags [nccl]" in out and "hiersync.register(ddp, optimizer, period=" in out
+    with pytest.raises(SystemExit, match="--intra-gbps"):
+        cli.main(["plan", "--params", "1e9", "--inter-gbps", "10", "--backward-ms", "1", "--forward-ms", "1"])
+
+
+def test_memory_model_matches_the_measured_table():
+    # docs/local-sgd.md, 2 x 2 ranks, 8.4M parameters, P = fp32 bytes: measured 0.48, 1.05, 2.04, 1.29 P
+    p32 = 8.4e6 * 4
+    for kw, measured in [
+        ({}, 0.48),
+        ({"compress": True}, 1.05),
+        ({"overlap": 1, "compress": True, "outer": True}, 2.04),
+        ({"fragments": 4, "overlap": 1, "compress": True, "outer": True}, 1.29),
+    ]:
+        m = sync_memory(params=8.4e6, ranks_per_node=2, period=4, **kw)
+        assert m.total / p32 == pytest.approx(measured, abs=0.1), kw
+    assert sync_memory(params=1e6, ranks_per_node=8, period=1).total == 0
+    hook = sync_memory(params=1e6, ranks_per_node=8, period=4, compress=True, attached=False)
+    assert hook.anchor == 4e6 and not hook.sharded  # pure hook: whole state
+
+
+def test_plan_reports_memory_and_collectives(a100_plan):
+    m = a100_plan.memory
+    assert m is not None and m.anchor == 0  # no compress: no anchor
+    assert m.in_flight == pytest.approx(2 / 8 * 14e9 / 8)  # tau=1 fragment of 1/8, snapshot + payload, 1/L
+    text = format_plan(a100_plan)
+    assert "extra GPU memory per rank" in text and "outer optimizer" in text
+    assert "collectives assumed: DDP: flat" in text and "NVLS" in text
+
+
+def test_break_even_bisects_the_inter_bandwidth():
+    kw = dict(A100, dtype="bf16", bucket_mb=[25], fragments=(), periods=[1, 2, 4, 8])
+    plan = make_plan(cm.PRESETS["a100-1nic"], **kw)
+    be = plan.break_even_gbps
+    assert be is not None and 11.5 < be < 1e4
+    assert f"below {be:,.3g} GB/s" in format_plan(plan)
+
+    def best_gain(node_gbps):
+        prof = replace(plan.profile, inter=cm.Link.from_bandwidth(plan.profile.inter.alpha, node_gbps * 1e9))
+        p = make_plan(prof, **kw, break_even=False)
+        return max(r.speedup for r in p.rows if r.period)
+
+    assert best_gain(be * 0.97) >= 1.05 > best_gain(be * 1.03)
+    assert make_plan(cm.PRESETS["a100-1nic"], **{**kw, "nodes": 1}).break_even_gbps is None
+    assert break_even_gbps(plan) == be

@@ -12,7 +12,9 @@ One idea per module:
 * :mod:`.streaming`: the period-k sync in F staggered fragments, each applied tau steps
   after its launch (:func:`sync_stalls`), and inter-node bytes per step;
 * :mod:`.fit`: fitting alpha and beta to measurements (:func:`fit_link`);
-* :mod:`.planner` and :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
+* :mod:`.memory`: the extra GPU memory per rank of a mode (:func:`~.memory.sync_memory`);
+* :mod:`.planner` (with :mod:`.planner_report` and :mod:`.planner_cli`) and
+  :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
 
 Every public name of the first six is re-exported here, so ``from hiersync import
 costmodel as cm; cm.allreduce_time(...)`` is the way to use them.
@@ -52,7 +54,7 @@ from .links import (
     reduce_scatter_time,
     reduce_time,
 )
-from .profile import PRESETS, PROFILE_FORMAT, Profile, get_preset, preset_for_backend
+from .profile import PRESETS, PROFILE_FORMAT, Profile, default_copy_gbps, get_preset, preset_for_backend
 from .steptime import PLACEMENTS, SCHEDULES, StepTime, simulate, step_time
 from .streaming import (
     DEFAULT_COPY_S_PER_BYTE,
@@ -91,6 +93,7 @@ __all__ = [
     "fit_link",
     "get_preset",
     "preset_for_backend",
+    "default_copy_gbps",
     "choose_exact_algorithm",
     "INTRA_ALGORITHMS",
     "intra_algorithm_for_backend",

@@ -1,16 +1,17 @@
 """``python -m hiersync plan``: predict step communication per schedule and bucket size.
 
 Pure functions first (:func:`make_plan` returns a :class:`Plan` that tests can check),
-text formatting second (:func:`format_plan`), the command last. The numbers come from
-:mod:`hiersync.costmodel` with a calibrated profile (``--profile``) or a preset.
+text formatting in :mod:`.planner_report` (:func:`format_plan`), the command in
+:mod:`.planner_cli`. The numbers come from :mod:`hiersync.costmodel` with a calibrated
+profile (``--profile``), a preset, or links described by flags (``--inter-gbps`` ...).
 
 Example::
 
-    python -m hiersync plan --preset a100-1nic --params 7e9 --dtype bf16 \\
-        --nodes 16 --gpus-per-node 8 --backward-ms 300
+    python -m hiersync plan --preset a100-1nic --params 7e9 \\
+        --nodes 16 --gpus-per-node 8 --backward-ms 300 --forward-ms 150
 
     >>> from hiersync.costmodel import PRESETS
-    >>> plan = make_plan(PRESETS["a100-1nic"], params=7e9, backward_s=0.3)
+    >>> plan = make_plan(PRESETS["a100-1nic"], params=7e9, backward_s=0.3, forward_s=0.15)
     >>> plan.helps, plan.period > 1, plan.fragments >= 1, plan.overlap >= 0
     (True, True, True, True)
 """
@@ -27,16 +28,19 @@ from typing import Any
 from hiersync import costmodel as cm
 from hiersync.vocab import COMPRESS_DTYPES, MiB
 
+from .memory import SyncMemory, sync_memory
+from .planner_report import collectives_assumed, edge_warnings, format_plan, verdict
+
 __all__ = [
     "PlanRow",
     "Plan",
     "make_plan",
+    "break_even_gbps",
     "format_plan",
     "add_arguments",
-    "add_profile_arguments",
-    "load_profile",
     "run",
     "DTYPE_BYTES",
+    "copy_s_per_byte",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,10 @@ DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb default; preferred when times ti
 # Within 5% of the fastest, the smallest tau wins (a stale average costs accuracy).
 DEFAULT_FRAGMENTS = (1, 2, 4, 8)
 DEFAULT_OVERLAPS = (0, 1, 2)
+DEFAULT_WARMUP_STEPS = 100  # docs/local-sgd.md's starting point; not modelled
+# The break-even: hiersync "helps" while its best configuration steps at least 5% faster than DDP.
+BREAK_EVEN_GAIN = 1.05
+BREAK_EVEN_RANGE_GBPS = (1e-3, 1e4)  # per node: 1 MB/s .. 10 TB/s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,24 +89,39 @@ class PlanRow:
     """Bytes one rank sends between nodes in its busiest step."""
     inter_bytes_mean: float = 0.0
     """Bytes one rank sends between nodes per step, on average."""
+    placement: str | None = None
+    """Where the period-k average runs (``"hook"``, ``"optimizer"``, ``"overlap"``); None for
+    DDP, period 1 and intra-only."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """The planner's table, recommendation and verdict."""
+    """The planner's table, recommendation, verdict and the assumptions behind them."""
 
     profile: cm.Profile
     """Profile with the planned topology (nodes, ranks per node)."""
+    params: float
+    """Parameter count."""
+    dtype: str
+    """Gradient (= parameter) dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``."""
     grad_bytes: float
     """Bytes of gradients (= parameters) per rank."""
     backward_s: float
     """Backward compute time per step."""
     compute_s: float
-    """Compute time per step (forward + backward)."""
+    """Compute time per step (forward + backward + optimizer)."""
+    compress: str
+    """``"none"``, ``"bf16"`` or ``"fp16"``: the inter-node sync leg's dtype."""
     compress_ratio: float
     """Bytes sent per byte of parameters on the inter-node sync leg."""
     placement: str
-    """Where period-k averaging runs: ``"hook"``, ``"optimizer"`` or ``"overlap"``."""
+    """Where the whole-model period-k rows average: ``"hook"``, ``"optimizer"`` or ``"overlap"``."""
+    copy_gbps: float
+    """Speed of the sync's launch copies (GB/s) the rows assume."""
+    copy_source: str
+    """Where :attr:`copy_gbps` comes from (the flag, the profile, or an assumption)."""
+    warmup_steps: int
+    """``warmup_steps`` of the pasted call (not modelled)."""
     rows: tuple[PlanRow, ...]
     """Every schedule x bucket size."""
     best_ddp: PlanRow
@@ -117,6 +140,19 @@ class Plan:
     """Whether hierarchical sync can make steps at least ``HELPS_MUCH`` times faster."""
     verdict: str
     """Plain-language statement with the numbers behind it."""
+    warnings: tuple[str, ...] = ()
+    """Cautions: a best k, bucket size, F or tau at the edge of the searched grid; links
+    calibrated on fewer or more nodes than planned."""
+    break_even_gbps: float | None = None
+    """Inter-node bandwidth per node (GB/s) below which hiersync's best configuration steps
+    at least ``BREAK_EVEN_GAIN`` times faster than DDP; inf: at any bandwidth; None: one node,
+    or not even at 1 MB/s."""
+    memory: SyncMemory | None = None
+    """Extra GPU memory per rank of the recommendation (:func:`.memory.sync_memory`)."""
+    collectives: str = ""
+    """The collective algorithms the model assumed, in words."""
+    calibrated_nodes: int | None = None
+    """Nodes the profile's links were measured on (None: a preset or flags)."""
 
     @property
     def bucket_cap_mb(self) -> float:
@@ -146,125 +182,113 @@ class Plan:
         return self.flat_allreduce_s / self.intra_allreduce_s if self.intra_allreduce_s > 0 else math.inf
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
+def _ints(name: str, values: Sequence[int], low: int, hint: str = "") -> None:
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+        raise ValueError(f"{name} must be ints >= {low}{hint}, got {list(values)}")
 
 
-def _nics(count: int) -> str:
-    return f"{count} NIC" if count == 1 else f"{count} NICs"
+def _compute(profile: cm.Profile, backward_s: float | None, forward_s: float | None, compute_s: float | None):
+    """(backward, compute) seconds from the arguments or the profile; ValueError naming the flag."""
+    backward = profile.backward_s if backward_s is None else backward_s
+    if backward is None or not backward > 0:
+        raise ValueError(
+            f"the backward time per step is required (got {backward!r}): pass --backward-ms (backward_s=), or a "
+            f"profile that records backward_s; without compute time every speed-up is inflated"
+        )
+    if compute_s is not None:
+        if not compute_s >= backward:
+            raise ValueError(f"compute_s={compute_s!r} must be >= backward_s={backward!r} (it includes the backward)")
+        return float(backward), float(compute_s)
+    forward = profile.forward_s if forward_s is None else forward_s
+    if forward is None or not forward > 0:
+        raise ValueError(
+            f"the forward (+ optimizer) time per step is required and must be > 0 (got {forward!r}): pass "
+            f"--forward-ms (forward_s=), or a profile that records forward_s; --forward-ms 0 prices a step "
+            f"without a forward pass, which hides less communication and inflates the speed-ups"
+        )
+    return float(backward), float(backward + forward)
 
 
-def _verdict(
-    profile: cm.Profile,
-    best_ddp: PlanRow,
-    best_intra: PlanRow,
-    rec: PlanRow,
-    flat_s: float,
-    intra_s: float,
-    step_cap: float,
-    backward_s: float,
-) -> tuple[bool, str]:
-    if profile.nodes == 1:
-        return False, "one node: there is no inter-node traffic to save; use plain DDP."
-    share = intra_s / flat_s if flat_s > 0 else 1.0
-    hidden = 1.0 - best_ddp.exposed_s / best_ddp.comm_s if best_ddp.comm_s > 0 else 1.0
-    numbers = (
-        f"the intra-node all-reduce of the whole gradient alone takes {_ms(intra_s)}, {share:.0%} of the flat "
-        f"all-reduce's {_ms(flat_s)}, so never syncing across nodes shrinks communication by at most "
-        f"{1 / share:.2f}x; DDP (bucket {best_ddp.bucket_mb:g} MB) hides {hidden:.0%} of its "
-        f"{_ms(best_ddp.comm_s)} of communication behind the {_ms(backward_s)} backward, and the k -> inf "
-        f"step is {_ms(best_intra.step_s)} vs DDP's {_ms(best_ddp.step_s)} ({step_cap:.2f}x)."
-    )
-    if step_cap < HELPS_MUCH:
-        return False, f"hierarchical sync cannot help much here (at most {step_cap:.2f}x faster steps): {numbers}"
-    return True, (
-        f"hierarchical sync helps: {rec.schedule} cuts the step from {_ms(best_ddp.step_s)} to "
-        f"{_ms(rec.step_s)} ({rec.speedup:.2f}x); {numbers}"
-    )
+def copy_speed(profile: cm.Profile, copy_s: float | None) -> tuple[float, str]:
+    """(seconds per byte, where it comes from) of the launch copies."""
+    if copy_s is not None:
+        gbps = 1 / copy_s / 1e9 if copy_s > 0 else math.inf
+        return copy_s, "given (copies free)" if copy_s == 0 else f"given ({gbps:,.4g} GB/s)"
+    if profile.copy_gbps is not None:
+        return 1 / (profile.copy_gbps * 1e9), f"the profile's ({profile.copy_gbps:,.4g} GB/s)"
+    gbps = cm.default_copy_gbps(profile.backend)
+    kind = "an A100-class GPU" if "nccl" in profile.backend.lower() else "a CPU memcpy"
+    return 1 / (gbps * 1e9), f"assumed {gbps:,.4g} GB/s ({kind}; set --copy-gbps)"
 
 
 def make_plan(
     profile: cm.Profile,
     *,
     params: float,
-    backward_s: float,
-    dtype: str = "bf16",
+    backward_s: float | None = None,
+    forward_s: float | None = None,
+    compute_s: float | None = None,
+    dtype: str = "fp32",
     nodes: int | None = None,
     gpus_per_node: int | None = None,
-    compute_s: float | None = None,
     periods: Sequence[int] = (1, 2, 4, 8),
     bucket_mb: Sequence[float] = (1, 5, 25, 100),
     compress: str = "none",
     placement: str = "hook",
     fragments: Sequence[int] = DEFAULT_FRAGMENTS,
     overlaps: Sequence[int] = DEFAULT_OVERLAPS,
-    copy_s_per_byte: float = cm.DEFAULT_COPY_S_PER_BYTE,
+    copy_s_per_byte: float | None = None,
+    warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    break_even: bool = True,
 ) -> Plan:
     """Model every schedule x bucket size and pick the bucket size, period and streaming to use.
 
-    ``params`` is the parameter count (gradients are ``params * bytes(dtype)``);
-    ``compress="bf16"`` halves fp32 sync traffic (no effect on 16-bit parameters).
-    ``placement``: where the whole-model period-k rows average. For every period k > 1
-    and bucket size the planner also searches streaming, ``HierState(period=k,
-    fragments=F, overlap=tau)`` for F in ``fragments`` with F <= 2k and tau in
-    ``overlaps`` with tau <= k - 1, and adds the row it prefers: within 5% of the
-    fastest, the smallest tau. ``fragments=()`` searches no streaming. ``copy_s_per_byte``:
-    see :func:`hiersync.costmodel.step_time`.
+    ``params`` is the parameter count (gradients are ``params * bytes(dtype)``; ``dtype``
+    is the parameters', fp32 by default: under autocast the gradients are still fp32).
+    Compute time is required: ``backward_s`` and ``forward_s`` (forward + optimizer), or
+    ``compute_s`` (the whole step's compute), or a profile that records them;
+    ``ValueError`` names the missing one. ``compress="bf16"`` halves fp32 sync traffic
+    (no effect on 16-bit parameters). ``placement``: where the whole-model period-k rows
+    average. For every period k > 1 and bucket size the planner also searches streaming,
+    ``HierState(period=k, fragments=F, overlap=tau)`` for F in ``fragments`` with F <= 2k
+    and tau in ``overlaps`` with tau <= k - 1, and adds the row it prefers: within 5% of
+    the fastest, the smallest tau. ``fragments=()`` searches no streaming.
+    ``copy_s_per_byte``: the launch copies (:func:`hiersync.costmodel.step_time`); None:
+    the profile's ``copy_gbps``, else an assumption by backend (``copy_source`` says
+    which). ``break_even=False`` skips the bisection of :func:`break_even_gbps`.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
     if compress not in ("none", *COMPRESS_DTYPES):
         raise ValueError(f"unknown compress {compress!r}; valid: none, bf16, fp16")
-    if not periods or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in periods):
-        raise ValueError(f"periods must be ints >= 1, got {list(periods)}")
+    if not periods:
+        raise ValueError("periods must be ints >= 1, got []")
+    _ints("periods", periods, 1)
     if not bucket_mb or any(not b > 0 for b in bucket_mb):
         raise ValueError(f"bucket sizes must be > 0 MB, got {list(bucket_mb)}")
     if not params > 0:
         raise ValueError(f"params must be > 0, got {params!r}")
-    if any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in fragments):
-        raise ValueError(f"fragments must be ints >= 1 (1 = whole model), got {list(fragments)}")
-    if fragments and (not overlaps or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in overlaps)):
-        raise ValueError(f"overlaps must be ints >= 0 (0 = blocking), got {list(overlaps)}; e.g. overlaps=(0, 1, 2)")
+    _ints("fragments", fragments, 1, " (1 = whole model)")
+    if fragments and not overlaps:
+        raise ValueError("overlaps must be ints >= 0 (0 = blocking), got []; e.g. overlaps=(0, 1, 2)")
+    _ints("overlaps", overlaps, 0, " (0 = blocking)")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    calibrated = profile.calibrated_nodes  # before the planned shape replaces the profile's
     profile = replace(
         profile,
         nodes=profile.nodes if nodes is None else nodes,
         ranks_per_node=profile.ranks_per_node if gpus_per_node is None else gpus_per_node,
     )
+    backward, compute = _compute(profile, backward_s, forward_s, compute_s)
+    copy_beta, copy_source = copy_speed(profile, copy_s_per_byte)
     grad_bytes = float(params) * DTYPE_BYTES[dtype]
     ratio = 1.0 if compress == "none" else min(1.0, 2 / DTYPE_BYTES[dtype])
-    compute = backward_s if compute_s is None else compute_s
     periods = sorted(set(periods))
-    common: dict[str, Any] = dict(profile=profile, grad_bytes=grad_bytes, backward_s=backward_s, compute_s=compute)
-
-    raw: list[tuple[str, int | None, float, cm.StepTime]] = []
-    for mb in bucket_mb:
-        kw: dict[str, Any] = dict(common, bucket_bytes=mb * MiB)
-        raw.append(("ddp", 1, mb, cm.step_time("ddp", **kw)))
-        for k in periods:
-            st = cm.step_time("hiersync", period=k, compress_ratio=ratio, placement=placement, **kw)
-            raw.append((st.label, k, mb, st))
-        for k in periods:
-            if k > 1 and profile.nodes > 1 and fragments:
-                st = _streaming(k, fragments, overlaps, dict(kw, compress_ratio=ratio, copy_s_per_byte=copy_s_per_byte))
-                raw.append((f"hiersync k={k} F={st.fragments} tau={st.overlap}", k, mb, st))
-        raw.append(("intra-only", None, mb, cm.step_time("intra_only", **kw)))
-    best_ddp_step = min(st.step_s for name, _, _, st in raw if name == "ddp")
-    rows = tuple(
-        PlanRow(
-            schedule=name,
-            period=k,
-            bucket_mb=mb,
-            comm_s=st.comm_s,
-            exposed_s=st.exposed_s,
-            step_s=st.step_s,
-            speedup=best_ddp_step / st.step_s,
-            fragments=st.fragments,
-            overlap=st.overlap,
-            inter_bytes_peak=st.inter_bytes_peak,
-            inter_bytes_mean=st.inter_bytes_mean,
-        )
-        for name, k, mb, st in raw
+    common: dict[str, Any] = dict(
+        grad_bytes=grad_bytes, backward_s=backward, compute_s=compute, copy_s_per_byte=copy_beta
     )
+    rows = _rows(profile, common, periods, bucket_mb, ratio, placement, fragments, overlaps)
 
     def best(candidates: Sequence[PlanRow]) -> PlanRow:
         return min(candidates, key=lambda r: (r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
@@ -286,15 +310,37 @@ def make_plan(
     n = profile.nodes
     inter_bound = 2 * (n - 1) / n * grad_bytes * ratio * profile.inter.beta / rails
     step_cap = best_ddp.step_s / best_intra.step_s
-    helps, verdict = _verdict(profile, best_ddp, best_intra, recommended, flat_s, intra_s, step_cap, backward_s)
+    helps, text = verdict(profile, best_ddp, best_intra, recommended, flat_s, intra_s, step_cap, backward, HELPS_MUCH)
+    warnings = edge_warnings(rows, recommended, periods, bucket_mb, fragments, overlaps)
+    if calibrated is not None and calibrated != profile.nodes:
+        warnings.append(
+            f"calibrated on {calibrated} nodes, extrapolated to {profile.nodes}: the links were measured at "
+            f"another scale; calibrate at the target scale (torchrun ... -m hiersync calibrate) to confirm"
+        )
+    memory = sync_memory(
+        params=params,
+        ranks_per_node=profile.ranks_per_node,
+        period=recommended.period or 1,
+        fragments=recommended.fragments,
+        overlap=recommended.overlap,
+        compress=compress != "none",
+        attached=recommended.placement not in (None, "hook"),
+        param_bytes=DTYPE_BYTES[dtype],
+    )
     logger.debug("plan: %d rows, recommended %s at %g MB", len(rows), recommended.schedule, recommended.bucket_mb)
-    return Plan(
+    plan = Plan(
         profile=profile,
+        params=float(params),
+        dtype=dtype,
         grad_bytes=grad_bytes,
-        backward_s=backward_s,
+        backward_s=backward,
         compute_s=compute,
+        compress=compress,
         compress_ratio=ratio,
         placement=placement,
+        copy_gbps=1 / copy_beta / 1e9 if copy_beta > 0 else math.inf,
+        copy_source=copy_source,
+        warmup_steps=warmup_steps,
         rows=rows,
         best_ddp=best_ddp,
         recommended=recommended,
@@ -303,7 +349,55 @@ def make_plan(
         inter_bound_s=inter_bound,
         step_cap=step_cap,
         helps=helps,
-        verdict=verdict,
+        verdict=text,
+        warnings=tuple(warnings),
+        memory=memory,
+        collectives=collectives_assumed(profile, recommended, grad_bytes * ratio),
+        calibrated_nodes=calibrated,
+    )
+    return replace(plan, break_even_gbps=break_even_gbps(plan)) if break_even else plan
+
+
+def _rows(
+    profile: cm.Profile,
+    common: dict[str, Any],
+    periods: Sequence[int],
+    bucket_mb: Sequence[float],
+    ratio: float,
+    placement: str,
+    fragments: Sequence[int],
+    overlaps: Sequence[int],
+) -> tuple[PlanRow, ...]:
+    raw: list[tuple[str, int | None, float, cm.StepTime, str | None]] = []
+    for mb in bucket_mb:
+        kw: dict[str, Any] = dict(common, profile=profile, bucket_bytes=mb * MiB)
+        raw.append(("ddp", 1, mb, cm.step_time("ddp", **kw), None))
+        for k in periods:
+            st = cm.step_time("hiersync", period=k, compress_ratio=ratio, placement=placement, **kw)
+            raw.append((st.label, k, mb, st, placement if k > 1 else None))
+        for k in periods:
+            if k > 1 and profile.nodes > 1 and fragments:
+                st = _streaming(k, fragments, overlaps, dict(kw, compress_ratio=ratio))
+                where = "overlap" if st.overlap else "optimizer"
+                raw.append((f"hiersync k={k} F={st.fragments} tau={st.overlap}", k, mb, st, where))
+        raw.append(("intra-only", None, mb, cm.step_time("intra_only", **kw), None))
+    best_ddp_step = min(st.step_s for name, _, _, st, _ in raw if name == "ddp")
+    return tuple(
+        PlanRow(
+            schedule=name,
+            period=k,
+            bucket_mb=mb,
+            comm_s=st.comm_s,
+            exposed_s=st.exposed_s,
+            step_s=st.step_s,
+            speedup=best_ddp_step / st.step_s,
+            fragments=st.fragments if where else 1,
+            overlap=st.overlap if where else 0,  # period 1 has no average to place
+            inter_bytes_peak=st.inter_bytes_peak,
+            inter_bytes_mean=st.inter_bytes_mean,
+            placement=where,
+        )
+        for name, k, mb, st, where in raw
     )
 
 
@@ -325,127 +419,55 @@ def _streaming(k: int, fragments: Sequence[int], overlaps: Sequence[int], kw: di
     return min((st for st in grid if st.step_s <= target), key=lambda st: (st.overlap, st.step_s, st.fragments))
 
 
-def _hierstate(plan: Plan) -> str:
-    """The ``HierState`` call of the recommendation."""
-    rec = plan.recommended
-    if rec.period == 1:
-        return "HierState(period=1)"
-    args = f"period={rec.period}"
-    if rec.fragments > 1:
-        args += f", fragments={rec.fragments}"
-    if rec.overlap:
-        args += f", overlap={rec.overlap}"
-    after_step = rec.fragments > 1 or rec.overlap > 0 or plan.placement != "hook"
-    return f"HierState({args})" + (" + state.attach_optimizer(optimizer)" if after_step else "")
+def break_even_gbps(plan: Plan, *, gain: float = BREAK_EVEN_GAIN) -> float | None:
+    """Inter-node bandwidth per node (GB/s) below which hiersync helps, by bisection.
 
-
-def format_plan(plan: Plan) -> str:
-    """The plan as a fixed-width text table with a recommendation and a verdict."""
+    "Helps": the fastest of the plan's hiersync configurations (every row's period, F, tau
+    and placement, each at the bucket size it does best at in the plan) steps at least
+    ``gain`` times faster than DDP at its best bucket size of the grid, with the inter link's
+    bandwidth (all NICs of a node together) set to the candidate and its latency kept.
+    Returns ``math.inf`` when it helps even at 10 TB/s, None on one node or when it does
+    not help even at 1 MB/s. Precision: about 1%.
+    """
     p = plan.profile
-    rails = p.rails or p.ranks_per_node
-    lines = [
-        f"profile {p.name or '(unnamed)'} [{p.backend}]: {p.nodes} nodes x {p.ranks_per_node} GPUs "
-        f"= {p.nodes * p.ranks_per_node} ranks; gradients {plan.grad_bytes / 1e9:,.2f} GB; "
-        f"backward {_ms(plan.backward_s)}, compute {_ms(plan.compute_s)}",
-        f"links: intra {p.intra.alpha * 1e6:g} us, {p.intra.bandwidth / 1e9:,.3g} GB/s per GPU; "
-        f"inter {p.inter.alpha * 1e6:g} us, {p.inter.bandwidth / 1e9:,.3g} GB/s per NIC x {_nics(rails)}; "
-        f"flat all-reduce: {p.flat_algorithm}; sync placement: {plan.placement}; "
-        f"sync bytes x{plan.compress_ratio:g}",
-        "",
-        f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
-        f"{'peak_inter_MB':>13}",
-    ]
-    for r in plan.rows:
-        mark = "  <- recommended" if r is plan.recommended else ""
-        lines.append(
-            f"{r.schedule:<26} {r.bucket_mb:>9g} {r.comm_s * 1e3:>11,.1f} {r.exposed_s * 1e3:>11,.1f} "
-            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{mark}"
-        )
-    rec = plan.recommended
-    if not plan.use_hiersync:
-        how = "plain DDP (exact all-reduce)"
-    elif rec.period == 1:
-        how = "hiersync period=1 (exact two-level all-reduce)"
-    else:
-        where = "after optimizer.step()" if rec.fragments > 1 or rec.overlap else f"placement {plan.placement}"
-        how = f"hiersync period={rec.period}, fragments={rec.fragments}, overlap={rec.overlap} ({where})"
-    lines += [
-        "",
-        f"recommend: bucket_cap_mb={plan.bucket_cap_mb:g}, {how}: step {_ms(rec.step_s)}, "
-        f"{rec.speedup:.2f}x vs best DDP ({_ms(plan.best_ddp.step_s)} at {plan.best_ddp.bucket_mb:g} MB); "
-        f"peak {rec.inter_bytes_peak / MiB:,.1f} MB between nodes per rank per step (DDP "
-        f"{plan.best_ddp.inter_bytes_peak / MiB:,.1f} MB)" + (f"; {_hierstate(plan)}" if plan.use_hiersync else ""),
-        "peak_inter_MB: bytes one rank sends between nodes in its busiest step (MiB); streaming rows "
-        "(F fragments, applied tau steps after launch) run after optimizer.step()",
-        f"bound: one inter-node sync moves >= 2(N-1)/N * n bytes per node through "
-        f"{_nics(min(rails, p.ranks_per_node))}: >= {_ms(plan.inter_bound_s)}",
-        f"verdict: {plan.verdict}",
-    ]
-    return "\n".join(lines)
-
-
-def _list(kind: type, text: str) -> list:
-    try:
-        values = [kind(float(v)) if kind is int else kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
-    return values
-
-
-def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--profile", metavar="P.json", help="calibrated profile (python -m hiersync calibrate)")
-    src.add_argument("--preset", choices=sorted(cm.PRESETS), help="published hardware numbers (docs/costmodel.md)")
-
-
-def load_profile(args: argparse.Namespace) -> cm.Profile:
-    return cm.Profile.load(args.profile) if args.profile else cm.get_preset(args.preset)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_profile_arguments(parser)
-    parser.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7e9")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="gradient dtype (default bf16)")
-    parser.add_argument("--nodes", type=int, help="nodes (default: the profile's)")
-    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
-    parser.add_argument("--backward-ms", type=float, required=True, help="backward compute time per step")
-    parser.add_argument("--forward-ms", type=float, default=0.0, help="other compute per step (default 0)")
-    parser.add_argument("--periods", type=lambda s: _list(int, s), default=[1, 2, 4, 8], help="default 1,2,4,8")
-    parser.add_argument(
-        "--bucket-mb",
-        type=lambda s: _list(float, s),
-        default=[1, 5, 25, 100],
-        help="DDP bucket_cap_mb values (default 1,5,25,100)",
+    if p.nodes == 1:
+        return None
+    nics = min(p.rails or p.ranks_per_node, p.ranks_per_node)
+    fastest: dict[tuple, PlanRow] = {}
+    for r in sorted((r for r in plan.rows if r.period), key=lambda r: r.step_s):
+        fastest.setdefault((r.period, r.fragments, r.overlap, r.placement), r)
+    configs = [(*key, r.bucket_mb) for key, r in fastest.items()]  # fastest first: helps() stops early
+    ddp_buckets = sorted({r.bucket_mb for r in plan.rows if r.schedule == "ddp"})
+    kw: dict[str, Any] = dict(
+        grad_bytes=plan.grad_bytes,
+        backward_s=plan.backward_s,
+        compute_s=plan.compute_s,
+        copy_s_per_byte=0.0 if math.isinf(plan.copy_gbps) else 1 / (plan.copy_gbps * 1e9),
     )
-    parser.add_argument(
-        "--compress",
-        choices=["none", *COMPRESS_DTYPES],
-        default="none",
-        help="16-bit deltas on the inter-node sync leg (default none)",
-    )
-    parser.add_argument(
-        "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
-    )
-    parser.add_argument(
-        "--fragments",
-        type=lambda s: _list(int, s),
-        default=list(DEFAULT_FRAGMENTS),
-        help="streaming fragments F to search, F <= 2k (default 1,2,4,8; 0 = no streaming)",
-    )
-    parser.add_argument(
-        "--overlap",
-        type=lambda s: _list(int, s),
-        default=list(DEFAULT_OVERLAPS),
-        help="streaming overlaps tau to search, tau <= k-1 (default 0,1,2)",
-    )
-    parser.add_argument(
-        "--copy-gbps",
-        type=float,
-        default=0.0,
-        help="speed of the sync's launch copies in GB/s (default 0 = copies free; e.g. 1500 for H100 HBM)",
-    )
+
+    def helps(node_gbps: float) -> bool:
+        inter = cm.Link(p.inter.alpha, nics / (node_gbps * 1e9), p.inter.gamma)
+        prof = replace(p, inter=inter)
+        ddp = min(cm.step_time("ddp", profile=prof, bucket_bytes=mb * MiB, **kw).step_s for mb in ddp_buckets)
+        target = ddp / gain
+        for k, f, t, where, mb in configs:
+            st = cm.step_time(
+                "hiersync", profile=prof, bucket_bytes=mb * MiB, period=k, fragments=f, overlap=t,
+                placement=where, compress_ratio=plan.compress_ratio, **kw,
+            )  # fmt: skip
+            if st.step_s <= target:
+                return True
+        return False
+
+    lo, hi = BREAK_EVEN_RANGE_GBPS
+    if helps(hi):
+        return math.inf
+    if not helps(lo):
+        return None
+    for _ in range(12):  # log-space bisection: 7 decades to ~0.4%
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if helps(mid) else (lo, mid)
+    return lo
 
 
 def copy_s_per_byte(gbps: float) -> float:
@@ -455,22 +477,15 @@ def copy_s_per_byte(gbps: float) -> float:
     return 1 / (gbps * 1e9) if gbps > 0 else 0.0
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` command's flags (:mod:`.planner_cli`)."""
+    from .planner_cli import add_arguments as add
+
+    add(parser)
+
+
 def run(args: argparse.Namespace) -> int:
-    plan = make_plan(
-        load_profile(args),
-        params=args.params,
-        dtype=args.dtype,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        backward_s=args.backward_ms / 1e3,
-        compute_s=(args.backward_ms + args.forward_ms) / 1e3,
-        periods=args.periods,
-        bucket_mb=args.bucket_mb,
-        compress=args.compress,
-        placement=args.placement,
-        fragments=[f for f in args.fragments if f != 0],
-        overlaps=args.overlap,
-        copy_s_per_byte=copy_s_per_byte(args.copy_gbps),
-    )
-    print(format_plan(plan))
-    return 0
+    """Run ``python -m hiersync plan`` (:mod:`.planner_cli`)."""
+    from .planner_cli import run as run_plan
+
+    return run_plan(args)

@@ -19,7 +19,7 @@ from typing import Any
 from .hierarchy import check_topology, intra_algorithm_for_backend
 from .links import DEFAULT_TREE_EFFICIENCY, Link, check_efficiency
 
-__all__ = ["PROFILE_FORMAT", "Profile", "PRESETS", "get_preset", "preset_for_backend"]
+__all__ = ["PROFILE_FORMAT", "Profile", "PRESETS", "get_preset", "preset_for_backend", "default_copy_gbps"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,17 @@ class Profile:
     """Measured effective link of one of the L shard broadcasts of the ``"allreduce_bcast"``
     gather (fitted as L broadcasts of n/L in a row, as ``HierComm`` issues them); None:
     :attr:`intra`, whose beta (fitted on all-reduces) also holds the reduction's cost."""
+    copy_gbps: float | None = None
+    """GB/s (1e9 bytes per second) at which a device copies memory: the speed of a sync's
+    launch copies (snapshot, payload). None: unknown; the planner then assumes
+    :func:`default_copy_gbps` of :attr:`backend` and says so."""
+    forward_s: float | None = None
+    """Forward (+ optimizer) compute time per step of the model to plan, where measured; None: unknown."""
+    backward_s: float | None = None
+    """Backward compute time per step of the model to plan, where measured; None: unknown."""
     metadata: dict[str, Any] = field(default_factory=dict, hash=False)
-    """Free-form JSON-able details (fit quality, hostnames, versions)."""
+    """Free-form JSON-able details (fit quality, hostnames, versions). ``calibrated_nodes``
+    (int) states how many nodes the links were measured on (:attr:`calibrated_nodes`)."""
 
     def __post_init__(self) -> None:
         for name in ("intra", "inter"):
@@ -76,6 +85,10 @@ class Profile:
                 raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
         check_topology(self.nodes, self.ranks_per_node, self.rails)
         check_efficiency(self.tree_efficiency)
+        for name in ("copy_gbps", "forward_s", "backward_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"Profile.{name} must be a number > 0 or None (unknown), got {value!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"Profile.backend must be a backend name such as 'nccl' or 'gloo', got {self.backend!r}")
 
@@ -88,6 +101,16 @@ class Profile:
     def intra_algorithm(self) -> str:
         """HierComm's intra algorithm on :attr:`backend`: ``"allreduce_bcast"`` on gloo, else ``"rs_ag"``."""
         return intra_algorithm_for_backend(self.backend)
+
+    @property
+    def calibrated_nodes(self) -> int | None:
+        """Nodes the links were measured on: ``metadata["calibrated_nodes"]`` where stated,
+        else :attr:`nodes` for a profile that ``python -m hiersync calibrate`` wrote (its
+        metadata holds the ``"fits"``), else None (a preset or a hand-written profile)."""
+        stated = self.metadata.get("calibrated_nodes")
+        if isinstance(stated, int) and not isinstance(stated, bool) and stated >= 1:
+            return stated
+        return self.nodes if "fits" in self.metadata else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +126,9 @@ class Profile:
             "intra_reduce_scatter": None if self.intra_reduce_scatter is None else self.intra_reduce_scatter.to_json(),
             "intra_all_gather": None if self.intra_all_gather is None else self.intra_all_gather.to_json(),
             "intra_broadcast": None if self.intra_broadcast is None else self.intra_broadcast.to_json(),
+            "copy_gbps": self.copy_gbps,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
             "source": self.source,
             "metadata": dict(self.metadata),
         }
@@ -131,6 +157,9 @@ class Profile:
             intra_reduce_scatter=optional_link(obj.get("intra_reduce_scatter")),
             intra_all_gather=optional_link(obj.get("intra_all_gather")),
             intra_broadcast=optional_link(obj.get("intra_broadcast")),
+            copy_gbps=obj.get("copy_gbps"),
+            forward_s=obj.get("forward_s"),
+            backward_s=obj.get("backward_s"),
             name=obj.get("name", ""),
             source=obj.get("source", ""),
             metadata=dict(obj.get("metadata") or {}),
@@ -163,8 +192,12 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=8,
         rails=8,
         backend="nccl",
+        copy_gbps=1500.0,
         name="h100-8rail",
-        source=f"8xH100 NVLS ~480 GB/s busbw (ring ~370); 8x NDR 400 Gb/s at 47 GB/s; {_NCCL_SRC}",
+        source=(
+            f"8xH100 NVLS ~480 GB/s busbw (ring ~370); 8x NDR 400 Gb/s at 47 GB/s; {_NCCL_SRC}; "
+            "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
+        ),
     ),
     # 8x A100 SXM: NCCL caps Ampere busbw at 235 GB/s; one 100 Gb/s NIC (12.5 GB/s line).
     "a100-1nic": Profile(
@@ -174,8 +207,12 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=8,
         rails=1,
         backend="nccl",
+        copy_gbps=1000.0,
         name="a100-1nic",
-        source=f"8xA100 NVLink 235 GB/s busbw (NCCL's Ampere cap); 1x 100 Gb/s at 11.5 GB/s; {_NCCL_SRC}",
+        source=(
+            f"8xA100 NVLink 235 GB/s busbw (NCCL's Ampere cap); 1x 100 Gb/s at 11.5 GB/s; {_NCCL_SRC}; "
+            "copies at 1000 GB/s assumed (half of 2.0 TB/s HBM2e)"
+        ),
     ),
     # 8 GPUs on PCIe 4.0 x16 (~25 GB/s per direction, ~20 GB/s ring busbw); one 25 GbE
     # port under NCCL's socket transport (~2.8 GB/s of 3.125 line rate, ~30 us per hop).
@@ -186,8 +223,12 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=8,
         rails=1,
         backend="nccl",
+        copy_gbps=300.0,
         name="pcie-25gbe",
-        source=f"8 GPUs on PCIe 4.0 ~20 GB/s ring busbw; 1x 25 GbE TCP ~2.8 GB/s; {_NCCL_SRC} (PCI)",
+        source=(
+            f"8 GPUs on PCIe 4.0 ~20 GB/s ring busbw; 1x 25 GbE TCP ~2.8 GB/s; {_NCCL_SRC} (PCI); "
+            "copies at 300 GB/s assumed (an A10-class GPU: half of 600 GB/s GDDR6)"
+        ),
     ),
     # The one-machine testbed (docs/benchmarks.md): gloo over loopback (~3 GB/s) inside a node,
     # one veth per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes.
@@ -198,12 +239,24 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=2,
         rails=1,
         backend="gloo",
+        copy_gbps=1.4,
         name="emulated",
         source=(
-            "emulated testbed (docs/benchmarks.md): gloo loopback ~3 GB/s; tbf 800 Mbit/s ~95 MB/s; gloo ~tens of us"
+            "emulated testbed (docs/benchmarks.md): gloo loopback ~3 GB/s; tbf 800 Mbit/s ~95 MB/s; gloo ~tens of us; "
+            "copies at 1.4 GB/s measured (a 100 MB torch.cat took 71 ms on the loaded 2-core box, finding 3)"
         ),
     ),
 }
+
+
+DEFAULT_COPY_GBPS = {"nccl": 1000.0, "other": 5.0}
+"""Copy speed assumed when a profile does not state one: an A100-class GPU under NCCL (half
+of ~2 TB/s of HBM), a CPU memcpy (~5 GB/s) otherwise. Assumptions, printed by the planner."""
+
+
+def default_copy_gbps(backend: str) -> float:
+    """The copy speed (GB/s) assumed on ``backend`` when a profile does not state one."""
+    return DEFAULT_COPY_GBPS["nccl" if "nccl" in str(backend).lower() else "other"]
 
 
 def get_preset(name: str) -> Profile:

@@ -1,0 +1,89 @@
+"""Extra GPU memory per rank of a hiersync mode: the local-SGD state the sync keeps.
+
+The model of docs/local-sgd.md ("Memory"), which ``benchmarks/memory.py`` measured on the
+testbed. With an attached optimizer (blocking, overlap or streaming) the state is sharded
+1/L across the node's ranks: the fp32 anchor shard (with ``compress`` or an outer optimizer),
+the outer momentum shard (outer optimizer), and per fragment in flight the snapshot and
+payload shards (about 2/L of the fragment's bytes; tau of them in flight; a blocking sync
+holds one payload shard, 1/L, while it runs), plus the node gather's buffer of 1 MiB per
+rank. Pure-hook mode keeps the anchor and momentum whole (DDP's buckets are not stable
+chunks). Period 1 (exact) keeps nothing. Pure: no torch.
+
+Example::
+
+    >>> m = sync_memory(params=8.4e6, ranks_per_node=2, period=4, fragments=4, overlap=1, compress=True, outer=True)
+    >>> round(m.total / (8.4e6 * 4), 2)  # measured 1.29 P (docs/local-sgd.md)
+    1.31
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hiersync.vocab import MiB
+
+from .links import check_count, check_number
+
+__all__ = ["FP32_BYTES", "GATHER_PIECE_BYTES", "SyncMemory", "sync_memory"]
+
+FP32_BYTES = 4
+"""The anchor and the outer momentum are fp32 whatever the parameters' dtype."""
+GATHER_PIECE_BYTES = MiB
+"""The node gather moves finished shards in pieces of 1 MiB per rank through one reused buffer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncMemory:
+    """Bytes per rank a mode keeps beyond plain DDP, by what holds them."""
+
+    anchor: float
+    """fp32 anchor (shard), kept with ``compress`` or an outer optimizer."""
+    momentum: float
+    """fp32 outer momentum (shard), kept with an outer optimizer."""
+    in_flight: float
+    """Snapshot and payload shards of the fragments in flight (or being synced)."""
+    gather: float
+    """The node gather's reused buffer."""
+    sharded: bool
+    """Whether the state is sharded 1/L (attached optimizer) or whole (pure hook)."""
+
+    @property
+    def total(self) -> float:
+        return self.anchor + self.momentum + self.in_flight + self.gather
+
+
+def sync_memory(
+    *,
+    params: float,
+    ranks_per_node: int,
+    period: int,
+    fragments: int = 1,
+    overlap: int = 0,
+    compress: bool = False,
+    outer: bool = False,
+    attached: bool = True,
+    param_bytes: int = FP32_BYTES,
+) -> SyncMemory:
+    """Extra memory per rank of ``HierState(period, fragments, overlap, compress, outer_lr)``.
+
+    ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (the
+    snapshot and payload follow it); ``attached``: an optimizer is attached (the state is
+    sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on.
+    """
+    p = check_number("params", params, strict=True)
+    lpn = check_count("ranks_per_node", ranks_per_node)
+    k, f = check_count("period", period), check_count("fragments", fragments)
+    tau = int(overlap)
+    if k == 1:
+        return SyncMemory(anchor=0.0, momentum=0.0, in_flight=0.0, gather=0.0, sharded=attached)
+    share = 1 / lpn if attached else 1.0
+    state = p * FP32_BYTES * share
+    anchor = state if (compress or outer) else 0.0
+    momentum = state if outer else 0.0
+    if not attached:  # the hook averages DDP's buckets in place
+        return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, sharded=False)
+    fragment = p * param_bytes / f
+    in_flight = tau * 2 * fragment * share if tau else fragment * share
+    return SyncMemory(
+        anchor=anchor, momentum=momentum, in_flight=in_flight, gather=GATHER_PIECE_BYTES * lpn, sharded=True
+    )

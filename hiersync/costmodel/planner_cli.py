@@ -1,0 +1,186 @@
+"""The ``python -m hiersync plan`` command: flags, the profile they describe, the printed plan.
+
+A network comes from ``--profile P.json`` (``python -m hiersync calibrate``), ``--preset``,
+or flags alone (``--inter-gbps 12.5 --nics-per-node 1 --intra-gbps 235 --nodes 16
+--gpus-per-node 8``); with a profile or preset the same flags override its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from hiersync import costmodel as cm
+from hiersync.vocab import COMPRESS_DTYPES
+
+from .planner import DEFAULT_FRAGMENTS, DEFAULT_OVERLAPS, DEFAULT_WARMUP_STEPS, DTYPE_BYTES, copy_s_per_byte, make_plan
+from .planner_report import format_plan
+
+__all__ = ["add_arguments", "add_profile_arguments", "profile_from_args", "run"]
+
+# Hop latencies when the flags give none: NCCL's own (tuning.cc, Simple protocol: NVLink 3.4 us,
+# network 14 us), gloo's tens of microseconds otherwise (the emulated preset).
+DEFAULT_LATENCY_S = {"nccl": (3.4e-6, 14e-6), "other": (30e-6, 60e-6)}
+
+
+def _list(kind: type, text: str) -> list:
+    try:
+        values = [kind(float(v)) if kind is int else kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    return values
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the network comes from: a profile, a preset, or the link flags."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--profile", metavar="P.json", help="calibrated profile (python -m hiersync calibrate)")
+    src.add_argument("--preset", choices=sorted(cm.PRESETS), help="published hardware numbers (docs/costmodel.md)")
+    net = parser.add_argument_group("network from flags (alone, or overriding --profile/--preset)")
+    net.add_argument("--inter-gbps", type=float, help="achieved bandwidth of one inter-node NIC in GB/s (bytes)")
+    net.add_argument("--nics-per-node", type=int, help="inter-node NICs (rails) per node (default: one per GPU)")
+    net.add_argument("--intra-gbps", type=float, help="intra-node all-reduce bus bandwidth per GPU in GB/s")
+    net.add_argument("--inter-latency-us", type=float, help="latency per inter-node hop (default 14 under NCCL)")
+    net.add_argument("--intra-latency-us", type=float, help="latency per intra-node hop (default 3.4 under NCCL)")
+    net.add_argument("--backend", help="nccl (default; ring or tree) or gloo (rings) for a network from flags")
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def profile_from_args(args: argparse.Namespace) -> cm.Profile:
+    """The profile of ``--profile``/``--preset``, with the link flags applied; or one built from the flags."""
+    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name, None))
+    nics = getattr(args, "nics_per_node", None)
+    if nics is not None and nics < 1:
+        raise ValueError(f"--nics-per-node must be >= 1, got {nics}")
+    if args.profile or args.preset:
+        base = cm.Profile.load(args.profile) if args.profile else cm.get_preset(args.preset)
+    else:
+        missing = [
+            f for f, v in (("--inter-gbps", args.inter_gbps), ("--intra-gbps", args.intra_gbps)) if v is None
+        ] + [f for f, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)) if v is None]
+        if missing:
+            raise ValueError(
+                f"describe the network: --profile P.json, --preset NAME, or the flags {', '.join(missing)} "
+                f"(e.g. --inter-gbps 12.5 --nics-per-node 1 --intra-gbps 235 --nodes 16 --gpus-per-node 8)"
+            )
+        backend = args.backend or "nccl"
+        intra_s, inter_s = DEFAULT_LATENCY_S["nccl" if "nccl" in backend.lower() else "other"]
+        base = cm.Profile(
+            intra=cm.Link.from_bandwidth(intra_s, args.intra_gbps * 1e9),
+            inter=cm.Link.from_bandwidth(inter_s, args.inter_gbps * 1e9),
+            nodes=args.nodes,
+            ranks_per_node=args.gpus_per_node,
+            rails=nics,
+            backend=backend,
+            name="flags",
+            source="command-line flags",
+        )
+    changes: dict = {}
+    if args.backend and (args.profile or args.preset):
+        changes["backend"] = args.backend
+    for level, gbps, us in (
+        ("intra", args.intra_gbps, args.intra_latency_us),
+        ("inter", args.inter_gbps, args.inter_latency_us),
+    ):
+        link = getattr(base, level)
+        if gbps is not None or us is not None:
+            alpha = link.alpha if us is None else us * 1e-6
+            beta = link.beta if gbps is None else 1 / (gbps * 1e9)
+            changes[level] = cm.Link(alpha, beta, link.gamma)
+    if nics is not None:
+        changes["rails"] = nics
+    return replace(base, **changes) if changes else base
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7e9")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        default="fp32",
+        help="the parameters' (= gradients') dtype (default fp32: under autocast the gradients are still fp32)",
+    )
+    parser.add_argument("--nodes", type=int, help="nodes (default: the profile's)")
+    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
+    parser.add_argument(
+        "--backward-ms", type=float, help="backward compute time per step (required unless the profile has it)"
+    )
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        help="forward + optimizer compute time per step, > 0 (required unless the profile has it)",
+    )
+    parser.add_argument("--periods", type=lambda s: _list(int, s), default=[1, 2, 4, 8], help="default 1,2,4,8")
+    parser.add_argument(
+        "--bucket-mb",
+        type=lambda s: _list(float, s),
+        default=[1, 5, 25, 100],
+        help="DDP bucket_cap_mb values (default 1,5,25,100)",
+    )
+    parser.add_argument(
+        "--compress",
+        choices=["none", *COMPRESS_DTYPES],
+        default="none",
+        help="16-bit deltas on the inter-node sync leg (default none)",
+    )
+    parser.add_argument(
+        "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
+    )
+    parser.add_argument(
+        "--fragments",
+        type=lambda s: _list(int, s),
+        default=list(DEFAULT_FRAGMENTS),
+        help="streaming fragments F to search, F <= 2k (default 1,2,4,8; 0 = no streaming)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=lambda s: _list(int, s),
+        default=list(DEFAULT_OVERLAPS),
+        help="streaming overlaps tau to search, tau <= k-1 (default 0,1,2)",
+    )
+    parser.add_argument(
+        "--copy-gbps",
+        type=float,
+        help="speed of the sync's launch copies in GB/s (default: the profile's, else 1000 under NCCL, 5 on "
+        "gloo; 0 = copies free)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=DEFAULT_WARMUP_STEPS,
+        help=f"warmup_steps of the printed register call (default {DEFAULT_WARMUP_STEPS}; not modelled)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        profile = profile_from_args(args)
+        plan = make_plan(
+            profile,
+            params=args.params,
+            dtype=args.dtype,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
+            forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
+            periods=args.periods,
+            bucket_mb=args.bucket_mb,
+            compress=args.compress,
+            placement=args.placement,
+            fragments=[f for f in args.fragments if f != 0],
+            overlaps=args.overlap,
+            copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
+            warmup_steps=args.warmup_steps,
+        )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan: error: {err}") from None
+    print(format_plan(plan))
+    return 0

@@ -1,0 +1,265 @@
+"""What ``python -m hiersync plan`` says: the verdict, the warnings, the lines to paste, the table.
+
+Pure text from a :class:`~.planner.Plan` and its rows; :mod:`.planner` computes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hiersync import costmodel as cm
+from hiersync.costmodel.hierarchy import rail_allreduce_time
+from hiersync.vocab import MiB
+
+if TYPE_CHECKING:
+    from .planner import Plan, PlanRow
+
+__all__ = ["verdict", "edge_warnings", "collectives_assumed", "ddp_call", "register_call", "format_plan"]
+
+EDGE_ROOM = 1.01
+"""An edge of the grid matters when the step there is more than 1% slower than what moving
+past it could reach (the intra-only bound for k, F and tau; the neighbour for bucket sizes)."""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.2f} s"
+
+
+def _nics(count: int) -> str:
+    return f"{count} NIC" if count == 1 else f"{count} NICs"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / MiB:,.1f} MiB"
+
+
+def _values(values: Sequence[float]) -> str:
+    return ",".join(f"{v:g}" for v in sorted(set(values)))
+
+
+def verdict(
+    profile: cm.Profile,
+    best_ddp: PlanRow,
+    best_intra: PlanRow,
+    rec: PlanRow,
+    flat_s: float,
+    intra_s: float,
+    step_cap: float,
+    backward_s: float,
+    helps_much: float,
+) -> tuple[bool, str]:
+    """(helps, plain-language verdict with the numbers behind it)."""
+    if profile.nodes == 1:
+        return False, "one node: there is no inter-node traffic to save; use plain DDP."
+    share = intra_s / flat_s if flat_s > 0 else 1.0
+    hidden = 1.0 - best_ddp.exposed_s / best_ddp.comm_s if best_ddp.comm_s > 0 else 1.0
+    numbers = (
+        f"the intra-node all-reduce of the whole gradient alone takes {_ms(intra_s)}, {share:.0%} of the flat "
+        f"all-reduce's {_ms(flat_s)}, so never syncing across nodes shrinks communication by at most "
+        f"{1 / share:.2f}x; DDP (bucket {best_ddp.bucket_mb:g} MB) hides {hidden:.0%} of its "
+        f"{_ms(best_ddp.comm_s)} of communication behind the {_ms(backward_s)} backward, and the k -> inf "
+        f"step is {_ms(best_intra.step_s)} vs DDP's {_ms(best_ddp.step_s)} ({step_cap:.2f}x)."
+    )
+    if step_cap < helps_much:
+        return False, f"hierarchical sync cannot help much here (at most {step_cap:.2f}x faster steps): {numbers}"
+    return True, (
+        f"hierarchical sync helps: {rec.schedule} cuts the step from {_ms(best_ddp.step_s)} to "
+        f"{_ms(rec.step_s)} ({rec.speedup:.2f}x); {numbers}"
+    )
+
+
+def edge_warnings(
+    rows: Sequence[PlanRow],
+    rec: PlanRow,
+    periods: Sequence[int],
+    buckets: Sequence[float],
+    fragments: Sequence[int],
+    overlaps: Sequence[int],
+) -> list[str]:
+    """Warnings for a recommended k, bucket size, F or tau at the edge of the searched grid.
+
+    k, F and tau only while the recommended step is more than 1% above the intra-only step
+    at its bucket size (nothing can beat that bound); a bucket size only while its neighbour
+    in the grid is more than 1% slower for the same schedule.
+    """
+    out: list[str] = []
+    bound = min((r.step_s for r in rows if r.period is None and r.bucket_mb == rec.bucket_mb), default=0.0)
+    room = rec.step_s > bound * EDGE_ROOM
+    k = rec.period or 1
+    if room and k > 1 and len(set(periods)) > 1 and k == max(periods):
+        out.append(
+            f"the best k is the largest tried (k={k}): a larger k may be faster still (and drift more): "
+            f"try --periods {_values([*periods, 2 * k, 4 * k])}"
+        )
+    if k > 1 and k == min(periods):
+        out.append(
+            f"the best k is the smallest tried (k={k}): a smaller k may do as well with less drift: "
+            f"try --periods {_values([*periods, *(2**i for i in range(k.bit_length()))])}"
+        )
+    streaming = " F=" in rec.schedule
+    if room and streaming and len(set(fragments)) > 1 and rec.fragments == max(fragments) < 2 * k:
+        out.append(
+            f"the best F is the largest tried (F={rec.fragments}, up to 2k = {2 * k} allowed): "
+            f"try --fragments {_values([*fragments, min(2 * rec.fragments, 2 * k)])}"
+        )
+    if room and streaming and len(set(overlaps)) > 1 and rec.overlap == max(overlaps) < k - 1:
+        out.append(
+            f"the best tau is the largest tried (overlap={rec.overlap}, up to k-1 = {k - 1} allowed): "
+            f"try --overlap {_values([*overlaps, rec.overlap + 1])}"
+        )
+    sizes = sorted(set(buckets))
+    if len(sizes) > 1 and rec.bucket_mb in (sizes[0], sizes[-1]):
+        largest = rec.bucket_mb == sizes[-1]
+        neighbour = sizes[-2] if largest else sizes[1]
+        same = [r.step_s for r in rows if r.bucket_mb == neighbour and r.period == rec.period]
+        same = [r.step_s for r in rows if r.bucket_mb == neighbour and r.schedule == rec.schedule] or same
+        if same and min(same) > rec.step_s * EDGE_ROOM:
+            more = [*sizes, rec.bucket_mb * 4] if largest else [rec.bucket_mb / 4, *sizes]
+            out.append(
+                f"the best bucket size is the {'largest' if largest else 'smallest'} tried ({rec.bucket_mb:g} MB): "
+                f"try --bucket-mb {_values(more)}"
+            )
+    return out
+
+
+def collectives_assumed(profile: cm.Profile, rec: PlanRow, sync_bytes: float) -> str:
+    """The collective algorithms the model priced, in words."""
+    n, lpn, eta = profile.nodes, profile.ranks_per_node, profile.tree_efficiency
+    links = (profile.intra, profile.inter, profile.rails)
+    bucket = rec.bucket_mb * MiB
+
+    def pick(times: dict[str, float]) -> str:
+        return min(times, key=lambda a: times[a])
+
+    if profile.flat_algorithm == "auto":
+        flat = pick({a: cm.flat_allreduce_time(bucket, n, lpn, *links, a, efficiency=eta) for a in ("ring", "tree")})
+        how = "the faster of ring and tree, as NCCL's tuner picks; NVLS, CollNet and LL/LL128 not modelled"
+    else:
+        flat, how = "ring", f"{profile.backend}'s ring"
+    rail = cm.rail_link(profile.inter, lpn, profile.rails)
+    shard = (bucket if (rec.period or 1) == 1 else sync_bytes / max(rec.fragments, 1)) / lpn
+    algo = profile.flat_algorithm
+    rail_algo = (
+        pick({a: rail_allreduce_time(shard, n, rail, a, eta) for a in ("ring", "tree")}) if algo == "auto" else "ring"
+    )
+    intra = profile.intra_algorithm
+    gather = "reduce-scatter + all-gather" if intra == "rs_ag" else "all-reduce + L shard broadcasts"
+    return (
+        f"DDP: flat {flat} all-reduce of each {rec.bucket_mb:g} MB bucket ({how}); hiersync: intra-node ring "
+        f"all-reduce every step, inter-node {rail_algo} all-reduce of 1/{lpn} shards on {n} ranks per rail, "
+        f"node gather by {gather} ({intra})"
+    )
+
+
+def ddp_call(plan: Plan) -> str:
+    return f"DDP(model, device_ids=[local_rank], bucket_cap_mb={plan.bucket_cap_mb:g})"
+
+
+def register_call(plan: Plan) -> str:
+    """The ``hiersync.register(...)`` line of the recommendation."""
+    rec = plan.recommended
+    attached = rec.placement not in (None, "hook")
+    args = ["ddp", "optimizer"] if attached else ["ddp"]
+    args.append(f"period={rec.period or 1}")
+    if (rec.period or 1) > 1:
+        args.append(f"warmup_steps={plan.warmup_steps}")
+        if plan.compress != "none":
+            args.append(f'compress="{plan.compress}"')
+        if rec.fragments > 1:
+            args.append(f"fragments={rec.fragments}")
+        if rec.overlap:
+            args.append(f"overlap={rec.overlap}")
+    return f"state = hiersync.register({', '.join(args)})"
+
+
+def _memory(plan: Plan) -> str:
+    m = plan.memory
+    if m is None or plan.period == 1:
+        return "extra GPU memory per rank: none (period 1 keeps no local-SGD state)"
+    p32 = plan.params * 4
+    lpn = plan.profile.ranks_per_node
+    share = f"1/{lpn}" if m.sharded else "whole"
+    parts = [f"anchor {_gb(m.anchor)}" if m.anchor else "no anchor (no compress, no outer optimizer)"]
+    if m.sharded:
+        parts.append(f"in flight {_gb(m.in_flight)}")
+        parts.append(f"gather buffer {_gb(m.gather)}")
+    outer = p32 / lpn if m.sharded else p32
+    extra = outer + (0.0 if m.anchor else outer)
+    return (
+        f"extra GPU memory per rank: {_gb(m.total)} ({'; '.join(parts)}; state {share} per rank); an outer "
+        f"optimizer (outer_lr=...) adds {_gb(extra)}"
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a fixed-width table, the recommendation, what to paste, assumptions and warnings."""
+    p = plan.profile
+    rails = p.rails or p.ranks_per_node
+    nics = min(rails, p.ranks_per_node)
+    lines = [
+        f"profile {p.name or '(unnamed)'} [{p.backend}]: {p.nodes} nodes x {p.ranks_per_node} GPUs "
+        f"= {p.nodes * p.ranks_per_node} ranks; {plan.params:,.4g} parameters, {plan.dtype} gradients "
+        f"{plan.grad_bytes / 1e9:,.2f} GB; backward {_ms(plan.backward_s)}, compute {_ms(plan.compute_s)}",
+        f"links: intra {p.intra.alpha * 1e6:g} us, {p.intra.bandwidth / 1e9:,.3g} GB/s per GPU; "
+        f"inter {p.inter.alpha * 1e6:g} us, {p.inter.bandwidth / 1e9:,.3g} GB/s per NIC x {_nics(nics)}; "
+        f"flat all-reduce: {p.flat_algorithm}; sync placement: {plan.placement}; "
+        f"sync bytes x{plan.compress_ratio:g}; launch copies: {plan.copy_source}",
+        "",
+        f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
+        f"{'peak_inter_MB':>13}",
+    ]
+    for r in plan.rows:
+        mark = "  <- recommended" if r is plan.recommended else ""
+        lines.append(
+            f"{r.schedule:<26} {r.bucket_mb:>9g} {r.comm_s * 1e3:>11,.1f} {r.exposed_s * 1e3:>11,.1f} "
+            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{mark}"
+        )
+    rec = plan.recommended
+    if not plan.use_hiersync:
+        how = "plain DDP (exact all-reduce)"
+    elif rec.period == 1:
+        how = "hiersync period=1 (exact two-level all-reduce)"
+    else:
+        where = "after optimizer.step()" if rec.placement != "hook" else "in the hook"
+        how = f"hiersync period={rec.period}, fragments={rec.fragments}, overlap={rec.overlap} ({where})"
+    lines += [
+        "",
+        f"recommend: bucket_cap_mb={plan.bucket_cap_mb:g}, {how}: step {_ms(rec.step_s)}, "
+        f"{rec.speedup:.2f}x vs best DDP ({_ms(plan.best_ddp.step_s)} at {plan.best_ddp.bucket_mb:g} MB); "
+        f"peak {rec.inter_bytes_peak / MiB:,.1f} MB between nodes per rank per step (DDP "
+        f"{plan.best_ddp.inter_bytes_peak / MiB:,.1f} MB)",
+        f"paste: ddp = {ddp_call(plan)}",
+    ]
+    if plan.use_hiersync:
+        lines.append(f"       {register_call(plan)}")
+        lines.append(_memory(plan))
+    be = plan.break_even_gbps
+    node_bw = p.inter.bandwidth * nics / 1e9
+    if be is None and p.nodes > 1:
+        lines.append("break-even: hiersync does not help (>= 5% faster steps) even at 1 MB/s per node")
+    elif be is not None and math.isinf(be):
+        lines.append(
+            "break-even: hiersync helps (>= 5% faster steps) at every inter-node bandwidth tried, up to 10 TB/s "
+            "per node: DDP's step is bound by something else here (intra-node links, per-bucket latency)"
+        )
+    elif be is not None:
+        lines.append(
+            f"break-even: hiersync helps (>= 5% faster steps than DDP) while inter-node bandwidth per node is "
+            f"below {be:,.3g} GB/s (this profile: {node_bw:,.3g} GB/s)"
+        )
+    lines += [
+        f"collectives assumed: {plan.collectives}",
+        f"assumptions: predictions of the alpha-beta model, not measurements; an overlapped sync hides only behind "
+        f"tau x {_ms(plan.compute_s)} of compute (never behind the intra-node all-reduce), the rest is exposed; "
+        f"launch copies (2 x fragment bytes) are exposed on the launch step; communication never slows compute; "
+        f"warmup steps not modelled",
+        "peak_inter_MB: bytes one rank sends between nodes in its busiest step (MiB); streaming rows "
+        "(F fragments, applied tau steps after launch) run after optimizer.step()",
+        f"bound: one inter-node sync moves >= 2(N-1)/N * n bytes per node through {_nics(nics)}: "
+        f">= {_ms(plan.inter_bound_s)}",
+        f"verdict: {plan.verdict}",
+    ]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
