@@ -42,7 +42,7 @@ import torch
 from .collectives import HierComm
 from .futures import wait
 
-__all__ = ["ParamAverager", "Launched", "Pending", "chunk_by_bytes"]
+__all__ = ["ParamAverager", "Launched", "Pending", "chunk_by_bytes", "put"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,16 @@ def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
+
+
+def put(dst: torch.Tensor, values: torch.Tensor, add: bool) -> None:
+    """``dst = values`` or ``dst += values`` (fp32 ``values``; the sum is rounded once for 16-bit ``dst``)."""
+    if add and dst.dtype == torch.float32:
+        dst.add_(values)
+    elif add:
+        dst.copy_(dst.float() + values)
+    else:
+        dst.copy_(values)
 
 
 @dataclass
@@ -262,13 +272,7 @@ class ParamAverager:
         offset = 0
         for i in indices:
             p = self.params[i]
-            chunk = flat[offset : offset + p.numel()].view(p.shape)
-            if add and p.dtype == torch.float32:
-                p.add_(chunk)
-            elif add:
-                p.copy_(p.float() + chunk)
-            else:
-                p.copy_(chunk)
+            put(p, flat[offset : offset + p.numel()].view(p.shape), add)
             offset += p.numel()
 
     def chunks(self, max_bytes: int) -> list[list[int]]:

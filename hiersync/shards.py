@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .futures import wait
-from .localsgd import Launched, ParamAverager
+from .localsgd import Launched, ParamAverager, put
 
 __all__ = ["ShardedAverager", "GATHER_PIECE_BYTES"]
 
@@ -222,14 +222,7 @@ class ShardedAverager:
             a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
             if a >= b:
                 continue
-            p = self.params[i].data.view(-1)[a - c.offsets[j] : b - c.offsets[j]]
-            v = values[a - lo : b - lo]
-            if add and p.dtype == torch.float32:
-                p.add_(v)
-            elif add:
-                p.copy_(p.float() + v)
-            else:
-                p.copy_(v)
+            put(self.params[i].data.view(-1)[a - c.offsets[j] : b - c.offsets[j]], values[a - lo : b - lo], add)
 
     def release(self) -> None:
         """Forget the parameters and their state (the owner is closed)."""

@@ -54,3 +54,14 @@ def nccl_mode(request, monkeypatch):
     if request.param == "emulated_nccl":
         monkeypatch.setenv("HIERSYNC_EMULATE_NCCL", "1")
     return request.param
+
+
+def assert_checkpoint_resumes_exactly(cfg: dict, folder: str, n: int, node_ids=TOPOLOGIES["2x2"]) -> None:
+    """2n steps straight == n steps, save, new processes, load, n more steps: bit for bit."""
+    import ranks
+
+    straight = launch(ranks.checkpoint_run, node_ids, cfg, "straight", folder, n)
+    launch(ranks.checkpoint_run, node_ids, cfg, "first", folder, n)
+    resumed = launch(ranks.checkpoint_run, node_ids, cfg, "resume", folder, n)
+    for r in range(len(node_ids)):
+        assert resumed[r] == straight[r], f"rank {r} diverged after resume"

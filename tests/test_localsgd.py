@@ -13,6 +13,7 @@ import ranks
 import torch
 from harness import (
     TOPOLOGIES,
+    assert_checkpoint_resumes_exactly,
     launch,
     nccl_mode,  # noqa: F401  (a fixture, used by name)
 )
@@ -94,12 +95,7 @@ CKPT_CASES = {
 def test_checkpoint_resume_in_new_processes_is_exact(case, tmp_path):
     cfg = CKPT_CASES[case]
     n = 4  # overlap/period 2: the save lands with a correction in flight
-    ids = TOPOLOGIES["2x2"]
-    straight = launch(ranks.checkpoint_run, ids, cfg, "straight", str(tmp_path), n)
-    launch(ranks.checkpoint_run, ids, cfg, "first", str(tmp_path), n)
-    resumed = launch(ranks.checkpoint_run, ids, cfg, "resume", str(tmp_path), n)
-    for r in range(len(ids)):
-        assert resumed[r] == straight[r], f"rank {r} diverged after resume"
+    assert_checkpoint_resumes_exactly(cfg, str(tmp_path), n)
 
 
 @pytest.mark.parametrize("name", ["2x2", "uneven"])

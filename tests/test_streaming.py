@@ -14,6 +14,7 @@ import ranks
 import torch
 from harness import (
     TOPOLOGIES,
+    assert_checkpoint_resumes_exactly,
     launch,
     nccl_mode,  # noqa: F401  (a fixture, used by name)
 )
@@ -83,12 +84,7 @@ def test_bf16_deltas_error_is_bounded():
 )
 def test_checkpoint_with_corrections_in_flight_resumes_exactly(cfg, tmp_path):
     n = 6  # with tau >= 1 the save lands with fragments in flight
-    ids = TOPOLOGIES["2x2"]
-    straight = launch(ranks.checkpoint_run, ids, cfg, "straight", str(tmp_path), n)
-    launch(ranks.checkpoint_run, ids, cfg, "first", str(tmp_path), n)
-    resumed = launch(ranks.checkpoint_run, ids, cfg, "resume", str(tmp_path), n)
-    for r in range(len(ids)):
-        assert resumed[r] == straight[r], f"rank {r} diverged after resume"
+    assert_checkpoint_resumes_exactly(cfg, str(tmp_path), n)
 
 
 # ------------------------------------------------------------------ pure schedule
