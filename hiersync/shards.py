@@ -35,7 +35,9 @@ from .localsgd import Launched, ParamAverager, put
 __all__ = ["ShardedAverager", "GATHER_PIECE_BYTES"]
 
 GATHER_PIECE_BYTES = 2**20
-"""The node gathers finished shards in pieces of this many bytes per rank (one reused buffer)."""
+"""The node gathers a finished shard in pieces of at least this many bytes per rank, and at
+most 4 pieces per chunk: the reused gather buffer holds at most 1/4 of a chunk, and a big
+fragment costs 4 collectives per rank instead of one per MiB."""
 
 
 @dataclass
@@ -202,7 +204,7 @@ class ShardedAverager:
             self._write_range(c, 0, flat[: c.n], add)
             return
         shard = flat.to(torch.float32)
-        q = max(1, GATHER_PIECE_BYTES // 4)
+        q = max(GATHER_PIECE_BYTES // 4, -(-c.s // 4))  # values per piece
         for a in range(0, c.s, q):  # piece by piece: the gathered buffer stays small
             b = min(a + q, c.s)
             need = (b - a) * self.L

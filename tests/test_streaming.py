@@ -30,6 +30,9 @@ CASES = {
     "F6_more_fragments_than_steps": dict(mode="stream", period=4, fragments=6, tau=2, steps=10),
     "F4_tau1_outer": dict(mode="stream", period=4, fragments=4, tau=1, steps=10, outer=(0.7, 0.9)),
     "F1_tau2_whole_model": dict(mode="stream", period=3, fragments=1, tau=2, steps=8),
+    "F2_tau1_outer_gathered_in_pieces": dict(
+        mode="stream", period=2, fragments=2, tau=1, steps=7, outer=(0.7, 0.9), gather_piece_bytes=16
+    ),
     "F4_tau1_outer_state_on_host": dict(
         mode="stream", period=4, fragments=4, tau=1, steps=9, outer=(0.7, 0.9), state_device="cpu"
     ),
