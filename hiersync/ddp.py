@@ -147,6 +147,7 @@ class HierState:
         Then every rank holds identical parameters after each sync step (without
         ``overlap``). Uses ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
         """
+        optimizer = _unwrap_optimizer(optimizer)
         _check_attachable(self, optimizer)
         self._optimizer = optimizer
         self._handles = [
@@ -352,6 +353,20 @@ def _check_constructible(topology: Any) -> None:
         raise TypeError(f"topology must be a hiersync.Topology, got {type(topology).__name__}")
 
 
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``
+    keeps it in ``.optimizer``, Lightning's ``LightningOptimizer`` in ``._optimizer``).
+
+    Hooks go on the inner optimizer: a wrapper's own ``step()`` never runs the step hooks
+    registered on the wrapper, but it calls the inner ``step()``, which does.
+    """
+    for name in ("optimizer", "_optimizer"):
+        inner = getattr(optimizer, name, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return _unwrap_optimizer(inner)
+    return optimizer
+
+
 def _check_attachable(state: HierState, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -467,6 +482,9 @@ def register(
     **options: Any,
 ) -> HierState:
     """Build a :class:`HierState` from ``options``, register the hook, attach ``optimizer``.
+
+    ``optimizer`` may be a framework's wrapper (Accelerate's ``AcceleratedOptimizer`` after
+    ``accelerator.prepare``): the torch optimizer inside it is attached.
 
     Example::
 

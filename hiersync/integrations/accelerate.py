@@ -1,0 +1,63 @@
+"""HF Accelerate: exact resume of hiersync through ``accelerator.save_state``/``load_state``.
+
+``hiersync.register(model, optimizer, ...)`` works on what ``accelerator.prepare`` returns
+(the DDP-wrapped model, the ``AcceleratedOptimizer``). For checkpoints::
+
+    state = hiersync.register(model, opt, period=4)
+    accelerator.register_for_checkpointing(RankStates(state, model, opt))
+
+Accelerate writes the model, the optimizer and registered objects from the main process
+only, but between cross-node syncs every rank's parameters, optimizer state and hiersync
+state may differ. :class:`RankStates` gathers all ranks' (model, optimizer, hiersync) states
+into the object Accelerate writes, and on ``load_state`` (which loads registered objects
+after the model and optimizer) puts back this rank's own. This module does not import
+``accelerate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ddp import HierState
+from . import _per_rank
+
+__all__ = ["RankStates"]
+
+
+class RankStates:
+    """``state_dict``/``load_state_dict`` of every rank's model, optimizer and :class:`HierState`.
+
+    Both are collective (``state_dict`` gathers to rank 0); Accelerate calls them on every
+    process inside ``save_state``/``load_state``. ``model`` may be the DDP-wrapped model and
+    ``optimizer`` the ``AcceleratedOptimizer``; pass ``None`` for either to keep only the
+    hiersync state per rank (then the framework's rank-0 copy of it is what every rank gets,
+    which is exact only when all ranks hold the same values, e.g. after ``state.synchronize``).
+    """
+
+    def __init__(
+        self,
+        state: HierState,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.state = state
+        self.model = getattr(model, "module", model)
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"hier": self.state.state_dict()}
+        if self.model is not None:
+            entry["model"] = self.model.state_dict()
+        if self.optimizer is not None:
+            entry["optimizer"] = self.optimizer.state_dict()
+        return _per_rank.gather(entry)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        entry = _per_rank.pick(state_dict, "hiersync RankStates")
+        if self.model is not None and "model" in entry:
+            self.model.load_state_dict(entry["model"])
+        if self.optimizer is not None and "optimizer" in entry:
+            self.optimizer.load_state_dict(entry["optimizer"])
+        self.state.load_state_dict(entry["hier"])
