@@ -43,6 +43,15 @@ from torch.profiler import record_function
 from . import state_io
 from .collectives import HierComm
 from .config import HierConfig
+from .ddp_checks import (
+    check_attachable,
+    check_bucket,
+    check_constructible,
+    check_optimizer_owns,
+    check_same_device,
+    check_usable,
+    unwrap_optimizer,
+)
 from .exact import ExactPolicy
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
@@ -94,7 +103,7 @@ class HierState:
         **options: Any,
     ) -> None:
         self.config = cfg = HierConfig(period=period, warmup_steps=warmup_steps, **options)
-        _check_constructible(topology)
+        check_constructible(topology)
         self.schedule = cfg.schedule
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._world_group = dist.group.WORLD  # the groups below die with it
@@ -147,8 +156,8 @@ class HierState:
         Then every rank holds identical parameters after each sync step (without
         ``overlap``). Uses ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
         """
-        optimizer = _unwrap_optimizer(optimizer)
-        _check_attachable(self, optimizer)
+        optimizer = unwrap_optimizer(optimizer)
+        check_attachable(self, optimizer)
         self._optimizer = optimizer
         self._handles = [
             optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -232,10 +241,10 @@ class HierState:
         params = bucket.parameters() if (self._first_step or capture or pure_sync) else None
         if self._first_step:
             assert params is not None
-            self._device = _check_bucket(buf, params, self._device, self.config.compress)
+            self._device = check_bucket(buf, params, self._device, self.config.compress)
             self.averager.register(params)
         else:
-            _check_same_device(buf, self._device)
+            check_same_device(buf, self._device)
         # record_function costs ~50 us per bucket even with no profiler running: only when profiling
         profiling = torch.autograd._profiler_enabled()
         with record_function(f"hiersync/hook_{kind}") if profiling else contextlib.nullcontext():
@@ -264,7 +273,7 @@ class HierState:
         return out.then(wait)
 
     def _begin_step(self) -> None:
-        _check_usable(self)
+        check_usable(self)
         self.guard.next_step()
         self.engine.launch_owed(f" on rank {self.rank}")
         if self._optimizer is None and self.guard.enabled and self._skip_hook is None:
@@ -303,7 +312,7 @@ class HierState:
             return  # optimizer.step() called again without a synchronized backward in between
         self._stepped_for = self.step
         if not self._owner_checked:
-            _check_optimizer_owns(optimizer, self.averager.params)
+            check_optimizer_owns(optimizer, self.averager.params)
             self._owner_checked = True
         self.engine.after_step(self.step)
 
@@ -341,95 +350,6 @@ def _release(
     for b, (t, _) in zip(buckets, results):
         if not b.out.done():
             settle(b.out, t)
-
-
-def _check_constructible(topology: Any) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "hiersync.HierState needs an initialized process group: call "
-            "torch.distributed.init_process_group() on every rank first"
-        )
-    if topology is not None and not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a hiersync.Topology, got {type(topology).__name__}")
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``
-    keeps it in ``.optimizer``, Lightning's ``LightningOptimizer`` in ``._optimizer``).
-
-    Hooks go on the inner optimizer: a wrapper's own ``step()`` never runs the step hooks
-    registered on the wrapper, but it calls the inner ``step()``, which does.
-    """
-    for name in ("optimizer", "_optimizer"):
-        inner = getattr(optimizer, name, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return _unwrap_optimizer(inner)
-    return optimizer
-
-
-def _check_attachable(state: HierState, optimizer: Any) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if state._optimizer is not None:
-        raise RuntimeError("an optimizer is already attached to this HierState; attach exactly one")
-    if state._model is not None:
-        _check_optimizer_owns(optimizer, state._model.parameters())
-
-
-def _check_usable(state: HierState) -> None:
-    if state._closed:
-        raise RuntimeError("this HierState was closed; build a new one and register the hook again")
-    if not dist.is_initialized() or dist.group.WORLD is not state._world_group:
-        now = dist.get_world_size() if dist.is_initialized() else "no"
-        raise RuntimeError(
-            f"this HierState was built for another process group (world size {state.world_size}; now: {now} "
-            "ranks): its subgroups died with that group. Build a new HierState (and register the hook "
-            "again) after every init_process_group, e.g. after an elastic restart"
-        )
-    cfg = state.config
-    if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
-        raise RuntimeError(
-            f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after "
-            "optimizer.step(); call state.attach_optimizer(optimizer) before training (or hiersync.register(model, "
-            "optimizer, ...))"
-        )
-
-
-def _check_bucket(
-    buf: torch.Tensor, params: list[torch.Tensor], device: torch.device | None, compress: str | None
-) -> torch.device:
-    """The device of the model's buckets, after checking this one's (first backward only)."""
-    devices = {p.device for p in params} | {buf.device}
-    if len(devices) > 1:
-        raise RuntimeError(
-            f"hiersync: parameters of one DDP bucket are on several devices {sorted(map(str, devices))}; "
-            "move the whole model to one device per rank (model.to(device)) before wrapping it in DDP"
-        )
-    _check_same_device(buf, device)
-    if compress is not None and not buf.is_floating_point():
-        raise TypeError(
-            f"hiersync: compress={compress!r} needs floating-point gradients, got a {buf.dtype} "
-            "bucket; use compress=None for this model"
-        )
-    return buf.device
-
-
-def _check_same_device(buf: torch.Tensor, device: torch.device | None) -> None:
-    if device is not None and buf.device != device:
-        raise RuntimeError(
-            f"hiersync: gradient bucket on {buf.device} but earlier buckets were on {device}; "
-            "keep the whole model on one device per rank"
-        )
-
-
-def _check_optimizer_owns(optimizer: torch.optim.Optimizer, params: Any) -> None:
-    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    missing = [tuple(p.shape) for p in params if p.requires_grad and id(p) not in owned]
-    if missing:
-        raise ValueError(
-            f"attach_optimizer: the optimizer does not own {len(missing)} of the model's parameters "
-            f"(shapes {missing[:3]}...); build the optimizer from ddp_model.parameters()"
-        )
 
 
 class _Reduced:

@@ -369,9 +369,9 @@ def localsgd_check(cfg: dict) -> dict:
     mode, period, warmup = cfg["mode"], cfg["period"], cfg.get("warmup", 0)
     steps, accum = cfg["steps"], cfg.get("accum", 1)
     if "gather_piece_bytes" in cfg:  # several gather pieces per chunk even for this tiny model
-        import hiersync.shards
+        from hiersync import shards
 
-        hiersync.shards.GATHER_PIECE_BYTES = cfg["gather_piece_bytes"]
+        shards.GATHER_PIECE_BYTES = cfg["gather_piece_bytes"]
     topo = hiersync.Topology.detect()
     torch.manual_seed(0)
     model = Net()

@@ -17,7 +17,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp import HierState, _unwrap_optimizer, register
+from ..ddp import HierState, register
+from ..ddp_checks import unwrap_optimizer
 from . import _per_rank
 
 try:
@@ -125,7 +126,7 @@ class HierSyncCallback(pl.Callback):
         # gradients exist (the pre-hook only saw the previous step's verdict).
         state = self.state
         if state is not None and state.guard.enabled and state.guard.skip_update():
-            state.guard.drop_grads(_unwrap_optimizer(optimizer))
+            state.guard.drop_grads(unwrap_optimizer(optimizer))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.log_stats or self.state is None:
