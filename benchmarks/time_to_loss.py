@@ -1,0 +1,372 @@
+"""Time to loss: the example LM on the emulated 2 x 2 testbed, DDP vs post-local SGD vs hiersync.
+
+Trains examples/lm_torchrun.py's model (a byte-level GPT on the Python standard library,
+examples/_lm.py) under ``python -m hiersync testbed --nodes 2 --procs-per-node 2`` with
+every schedule on the same initial weights, the same per-rank batches and the same lr
+schedule; only the synchronization differs:
+
+* ``ddp``: DDP's all-reduce every step (no hook), the reference.
+* ``postlocal_k4``: PyTorch's post-local SGD (``post_localSGD_hook`` on intra-node
+  subgroups + ``PeriodicModelAverager(period=4)``).
+* ``hiersync_k4``: ``hiersync.register(ddp, opt, period=4)`` (blocking sync after the step).
+* ``hiersync_k4_stream``: ``period=4, fragments=4, overlap=1`` (streaming).
+
+Every ``--eval-every`` steps the ranks stop the clock, evaluate the validation loss of the
+world-mean parameters (computed aside: the trajectory is not touched) and start it again;
+the final value is measured after ``state.synchronize`` (post-local SGD: a parameter
+all-reduce), included in the wall-clock. DDP runs ``--steps`` steps; its final validation
+loss is the target. The other schedules run at least ``--steps`` steps and, if they have
+not reached the target by then, go on (lr held at its floor) up to ``--max-steps-factor``
+x steps. The report gives, per schedule, wall-clock and steps to the first evaluation at
+or below the target, and the ratios to DDP.
+
+**Link rate.** A 2-core CPU box computes this model in a few hundred ms per step, so the
+800 Mbit default link would make communication a small share of DDP's step: nothing like a
+large model on a real cluster. The run first asks the planner (``python -m hiersync plan``,
+``--plan-args``: by default a 7B model on 16 x 8 A100, one 100 Gb NIC per node,
+``--preset a100-1nic``, forward 400 ms and backward 800 ms per step) what fraction of DDP's
+step is exposed communication there, then measures this model's step without
+communication (a no-op hook) and with DDP at ``--inter-rate``, prints the measured
+fraction beside the planner's and the rate that would match it (communication time scales
+as 1/rate). The default ``--inter-rate`` was picked that way on this machine
+(docs/benchmarks.md, "Time to loss").
+
+    sudo python benchmarks/time_to_loss.py --plot docs/img/time_to_loss.png
+
+Writes ``time_to_loss.json`` (curves, table, planner output, measured fractions) and a
+loss-vs-wall-clock PNG to ``--out`` (default results/time_to_loss). Needs root for the
+shaped link (else plain loopback, which it says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import _lm  # noqa: E402
+
+SCHEDULES: dict[str, dict[str, Any] | None] = {
+    "ddp": None,
+    "postlocal_k4": None,
+    "hiersync_k4": dict(period=4),
+    "hiersync_k4_stream": dict(period=4, fragments=4, overlap=1),
+}
+PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
+
+
+# ---------------------------------------------------------------- one rank (under the testbed's torchrun)
+def _noop_hook(state: Any, bucket: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP checks the real types (this module's annotations are strings)
+_noop_hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+@torch.no_grad()
+def _world_mean_into(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in src.parameters()])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    torch.nn.utils.vector_to_parameters(flat, dst.parameters())
+
+
+def worker(args: argparse.Namespace) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hiersync
+
+    rank, _, device = _lm.setup()
+    train, val = _lm.load_text(args.text_mb)
+    model = _lm.GPT(args).to(device)
+    probe = copy.deepcopy(model)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lm.lr_at(s, args))
+    state, averager, name = None, None, args.schedule
+    if name == "compute_only":
+        ddp.register_comm_hook(None, _noop_hook)
+    elif name == "postlocal_k4":
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        nodes = hiersync.Topology.detect().nodes
+        intra, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
+        ddp.register_comm_hook(PostLocalSGDState(None, intra, start_localSGD_iter=0), post_localSGD_hook)
+        averager = PeriodicModelAverager(period=4, warmup_steps=0)
+    elif SCHEDULES.get(name) is not None:
+        state = hiersync.register(ddp, opt, **SCHEDULES[name])
+
+    evals: list[dict[str, float]] = []
+    step_s: list[float] = []
+    wall = 0.0
+
+    def evaluate(step: int) -> float:
+        _world_mean_into(model, probe)
+        loss = _lm.evaluate(probe, val, args, device)
+        evals.append(dict(step=step, wall_s=wall, val_loss=loss))
+        return loss
+
+    evaluate(0)
+    dist.barrier()
+    steps = 0
+    while True:
+        t0 = time.perf_counter()
+        x, y = _lm.train_batch(train, args, rank, steps, device)
+        _, loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        if averager is not None:
+            averager.average_parameters(ddp.parameters())
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        steps += 1
+        last = steps >= args.max_steps
+        if steps % args.eval_every == 0 or steps == args.steps or last:
+            dist.barrier()  # the clock stops when the slowest rank is done
+            wall += time.perf_counter() - t0
+            step_s.append(wall)
+            val_loss = evaluate(steps) if name != "compute_only" else math.nan
+            done = steps >= args.steps and (args.target is None or val_loss <= args.target)
+            if done or last:
+                break
+            dist.barrier()
+        else:
+            wall += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if state is not None:
+        state.synchronize(ddp)
+    elif averager is not None:
+        _world_mean_into(model, model)
+    dist.barrier()
+    wall += time.perf_counter() - t0
+    final = _lm.evaluate(model, val, args, device) if name != "compute_only" else math.nan
+    if rank == 0:
+        out = dict(schedule=name, steps=steps, wall_s=wall, final_val_loss=final, evals=evals)
+        if state is not None:
+            out["inter_bytes_rank0"] = state.stats.as_dict()["bytes_sent"]["inter"]
+        Path(args.out).write_text(json.dumps(out))
+    if state is not None:
+        state.close()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- driver
+def _launch(a: argparse.Namespace, schedule: str, steps: int, max_steps: int, target: float | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "hiersync", "testbed", "--nodes", "2", "--procs-per-node", "2"]
+        cmd += ["--inter-rate", a.inter_rate, "--timeout", str(a.timeout), "--log-dir", tmp]
+        cmd += ["--", str(Path(__file__).resolve()), "--worker", "--schedule", schedule, "--out", str(out)]
+        cmd += ["--steps", str(steps), "--max-steps", str(max_steps), "--eval-every", str(a.eval_every)]
+        cmd += [*(["--target", repr(target)] if target is not None else []), *a.lm_args]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            logs = "".join(p.read_text()[-4000:] for p in sorted(Path(tmp).glob("*.log")))
+            raise SystemExit(f"{schedule} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}\n{logs}")
+        result = json.loads(out.read_text())
+        result["launch_s"] = time.perf_counter() - t0
+        shaped = "network namespaces" in proc.stderr + "".join(p.read_text() for p in Path(tmp).glob("*.log"))
+        result["link"] = f"tbf {a.inter_rate}" if shaped else "loopback (not shaped)"
+    print(
+        f"  {schedule:20s} {result['steps']:5d} steps {result['wall_s']:7.1f} s"
+        f"  final val {result['final_val_loss']:.4f}"
+        f"  (launch {result['launch_s']:.0f} s)",
+        flush=True,
+    )
+    return result
+
+
+def plan_fraction(plan_args: str) -> dict[str, Any]:
+    """DDP's exposed-communication share of the step at its best bucket size, per the planner."""
+    cmd = [sys.executable, "-m", "hiersync", "plan", *plan_args.split()]
+    text = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("ddp "):
+            nums = [float(v.replace(",", "")) for v in line.split()[1:5]]
+            rows.append(dict(bucket_mb=nums[0], comm_ms=nums[1], exposed_ms=nums[2], step_ms=nums[3]))
+    best = min(rows, key=lambda r: r["step_ms"])
+    best_hier = re.search(r"recommend: .*?step ([\d,.]+) ms, ([\d.]+)x vs best DDP", text)
+    return dict(
+        command="python -m hiersync plan " + plan_args,
+        ddp=best,
+        exposed_fraction=best["exposed_ms"] / best["step_ms"],
+        recommended_step_ms=float(best_hier.group(1).replace(",", "")) if best_hier else None,
+        recommended_speedup=float(best_hier.group(2)) if best_hier else None,
+    )
+
+
+def reach(result: dict, target: float) -> dict | None:
+    return next((e for e in result["evals"] if e["step"] > 0 and e["val_loss"] <= target), None)
+
+
+def plot(results: dict[str, dict], target: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        ev = [e for e in r["evals"] if e["step"] > 0]
+        axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], marker=".", label=name)
+        axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], marker=".", label=name)
+    for ax, xl in zip(axes, ["wall-clock s (training only)", "step"]):
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label="DDP final val loss")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("val loss (world-mean parameters)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--schedule", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="results/time_to_loss", help="folder for time_to_loss.json (+ png)")
+    p.add_argument("--plot", default=None, help="PNG path (default OUT/time_to_loss.png)")
+    p.add_argument("--steps", type=int, default=300, help="DDP's steps (the others: at least this many)")
+    p.add_argument("--max-steps-factor", type=float, default=1.25, help="the others stop by this x steps")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--inter-rate", default="50mbit", help="tbf rate of each node's egress (see the docstring)")
+    p.add_argument("--probe-steps", type=int, default=30, help="steps of the compute-only and DDP probes")
+    p.add_argument("--plan-args", default=PLAN_ARGS, help="the real setting whose DDP exposed fraction to match")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--timeout", type=float, default=900.0, help="per testbed launch, seconds")
+    a, rest = p.parse_known_args(argv)
+    if a.worker:
+        args = _lm.parser("worker").parse_args(rest, namespace=a)
+        args.max_steps = args.max_steps or args.steps
+        worker(args)
+        return 0
+    a.lm_args = rest  # any examples/_lm.py flag: --batch-size, --dim, --layers, --lr, ...
+    _lm.parser("check").parse_args(rest)
+
+    t_start = time.perf_counter()
+    plan = plan_fraction(a.plan_args)
+    print(
+        f"planner ({plan['command']}): DDP's best step {plan['ddp']['step_ms']:,.0f} ms, exposed communication "
+        f"{plan['ddp']['exposed_ms']:,.0f} ms = {plan['exposed_fraction']:.0%} of the step",
+        flush=True,
+    )
+    print(f"probes on the testbed at {a.inter_rate} ({a.probe_steps} steps):", flush=True)
+    compute = _launch(a, "compute_only", a.probe_steps, a.probe_steps, None)
+    ddp_probe = _launch(a, "ddp", a.probe_steps, a.probe_steps, None)
+    c_step, d_step = compute["wall_s"] / compute["steps"], ddp_probe["wall_s"] / ddp_probe["steps"]
+    measured = max(0.0, 1 - c_step / d_step)
+    f = plan["exposed_fraction"]
+    rate = float(re.match(r"[\d.]+", a.inter_rate).group()) if re.match(r"[\d.]+", a.inter_rate) else math.nan
+    unit = re.sub(r"^[\d.]+", "", a.inter_rate)
+    # exposed comm scales ~ 1/rate; want exposed = f/(1-f) x compute
+    match_rate = rate * (d_step - c_step) / (f / (1 - f) * c_step) if d_step > c_step else math.nan
+    print(
+        f"  step without communication {c_step * 1e3:.0f} ms, DDP {d_step * 1e3:.0f} ms: exposed communication "
+        f"{measured:.0%} of DDP's step (planner {f:.0%}); the rate that would match: ~{match_rate:.0f}{unit}",
+        flush=True,
+    )
+
+    print(f"training, {a.steps} steps (others up to {int(a.steps * a.max_steps_factor)}):", flush=True)
+    results: dict[str, dict] = {}
+    results["ddp"] = _launch(a, "ddp", a.steps, a.steps, None)
+    target = results["ddp"]["final_val_loss"]
+    for name in a.schedules:
+        if name != "ddp":
+            results[name] = _launch(a, name, a.steps, int(a.steps * a.max_steps_factor), target)
+
+    ref = results["ddp"]
+    table = []
+    for name, r in results.items():
+        hit = reach(r, target) if name != "ddp" else dict(step=ref["steps"], wall_s=ref["wall_s"])
+        sps = r["wall_s"] / r["steps"]
+        row = dict(
+            schedule=name,
+            s_per_step=sps,
+            steps_run=r["steps"],
+            final_val_loss=r["final_val_loss"],
+            val_at_ddp_steps=next((e["val_loss"] for e in r["evals"] if e["step"] == a.steps), None),
+            steps_to_target=hit["step"] if hit else None,
+            wall_to_target=hit["wall_s"] if hit else None,
+        )
+        row["wall_x_ddp"] = row["wall_to_target"] / ref["wall_s"] if hit else None
+        row["steps_x_ddp"] = row["steps_to_target"] / ref["steps"] if hit else None
+        table.append(row)
+    fmt = lambda v, s: f"not reached by step {r_max}" if v is None else format(v, s)
+    r_max = int(a.steps * a.max_steps_factor)
+    lines = [
+        f"| schedule | s/step | val loss at step {a.steps} | steps to DDP's final loss | wall-clock s to it "
+        "| wall-clock vs DDP (x) | steps vs DDP (x) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        lines.append(
+            f"| {row['schedule']} | {row['s_per_step']:.3f} | {fmt(row['val_at_ddp_steps'], '.4f')} "
+            f"| {fmt(row['steps_to_target'], 'd')} | {fmt(row['wall_to_target'], '.1f')} "
+            f"| {fmt(row['wall_x_ddp'], '.2f')} | {fmt(row['steps_x_ddp'], '.2f')} |"
+        )
+    md = "\n".join(lines)
+    print(f"\ntarget: DDP's final val loss {target:.4f} after {ref['steps']} steps, {ref['wall_s']:.1f} s\n{md}")
+    for row in table:
+        if row["schedule"].startswith("hiersync"):
+            ok = row["wall_x_ddp"] is not None and row["wall_x_ddp"] <= 0.4 and row["steps_x_ddp"] <= 1.1
+            verdict = "met" if ok else "NOT met"
+            print(f"goal (<= 0.4x DDP's wall-clock at <= 1.1x its steps), {row['schedule']}: {verdict}")
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = Path(a.plot) if a.plot else out / "time_to_loss.png"
+    title = (
+        f"byte-level GPT on the stdlib, 2x2 testbed, {results['ddp']['link']}; "
+        f"DDP exposed comm {measured:.0%} (planner, 7B on 16x8 A100 1 NIC: {f:.0%})"
+    )
+    plot(results, target, png, title)
+    command = "python benchmarks/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (out / "time_to_loss.json").write_text(
+        json.dumps(
+            dict(
+                command=command.strip(),
+                inter_rate=a.inter_rate,
+                link=results["ddp"]["link"],
+                plan=plan,
+                probe=dict(compute_s_per_step=c_step, ddp_s_per_step=d_step, exposed_fraction=measured),
+                matching_rate=match_rate,
+                target=target,
+                table=table,
+                markdown=md,
+                results=results,
+                loadavg=os.getloadavg(),
+                total_s=time.perf_counter() - t_start,
+            ),
+            indent=1,
+        )
+    )
+    print(f"wrote {out / 'time_to_loss.json'} and {png} ({time.perf_counter() - t_start:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
