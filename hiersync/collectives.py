@@ -205,12 +205,6 @@ class HierComm:
         where = f"rank {g.rank}, node ranks {node}, rail ranks {rail}"
         return f"{what} ({ctx}; {where})" if ctx else f"{what} ({where})"
 
-    @staticmethod
-    def _chain(fut: torch.futures.Future, phase: str, device: torch.device) -> torch.futures.Future:
-        out = new_future(device)
-        fut.add_done_callback(lambda f: forward(f, out, phase))
-        return out
-
     # ------------------------------------------------------------- exact (period 1)
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` (1-D) over the world; the future's value is the averaged tensor.
@@ -269,7 +263,7 @@ class HierComm:
             first = launch()
         except Exception as e:
             raise wrap(e, phase) from e
-        first = span(span_name, self._chain(first, phase, tensor.device))
+        first = span(span_name, then(first, wait, tensor.device, phase))
 
         def rail_leg() -> torch.futures.Future:
             return _issue(dist.all_reduce, shard, group=g.rail, what="inter all-reduce on the rail")
@@ -337,7 +331,7 @@ class HierComm:
                 red = _issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
             except Exception as e:
                 raise wrap(e, phase) from e
-            red = span("hiersync/intra_reduce", self._chain(red, phase, tensor.device))
+            red = span("hiersync/intra_reduce", then(red, wait, tensor.device, phase))
         else:
             red = completed(None, tensor.device)
         if g.is_leader and topo.num_nodes > 1:
@@ -389,7 +383,6 @@ class HierComm:
         N = topo.num_nodes
         if N == 1:
             return completed(flat, flat.device)
-        esize = flat.element_size()
         if not topo.even:
             return self._average_uneven(flat)
         L = g.node_size
@@ -402,14 +395,7 @@ class HierComm:
             padded = flat
         lo = g.local_rank * shard_len
         shard = padded[lo : lo + shard_len].clone()
-        shard.div_(N)
-        phase = self._phase("inter parameter all-reduce on the rail")
-        self.stats.record(INTER, "all_reduce", N, shard_len * esize)
-        try:
-            ar = _issue(dist.all_reduce, shard, group=g.rail, what=phase)
-        except Exception as e:
-            raise wrap(e, phase) from e
-        ar = span("hiersync/inter_param_allreduce", self._chain(ar, phase, flat.device))
+        ar = self.average_shard(shard)
         if L == 1:
             return after(ar, lambda: flat.copy_(shard), flat.device)
         done = self._gather_shards(padded, shard, shard_len, ar, "parameter gather")
@@ -448,13 +434,7 @@ class HierComm:
         n = shard.numel()
         if out.numel() != L * n:
             raise ValueError(f"gather_node: out has {out.numel()} values, needs {L} x {n}")
-        if self.intra_algorithm == "rs_ag":
-            mine = shard
-        else:  # broadcasts: each rank's slice of ``out`` is the source of its own broadcast
-            lo = self.groups.local_rank * n
-            out[lo : lo + n].copy_(shard)
-            mine = out[lo : lo + n]
-        done = self._gather_shards(out, mine, n, completed(None, out.device), "parameter gather")
+        done = self._gather_shards(out, shard, n, completed(None, out.device), "parameter gather")
         return after(done, lambda: out, out.device)
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
@@ -469,7 +449,7 @@ class HierComm:
             phase = self._phase("inter parameter all-reduce among leaders")
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             try:
-                ready = self._chain(_issue(dist.all_reduce, flat, group=g.rail, what=phase), phase, flat.device)
+                ready = then(_issue(dist.all_reduce, flat, group=g.rail, what=phase), wait, flat.device, phase)
             except Exception as e:
                 raise wrap(e, phase) from e
             ready = span("hiersync/inter_param_allreduce", ready)
