@@ -233,17 +233,23 @@ class ShardedAverager:
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
-        """The pure-hook per-parameter state plus this rank's shards (saved by every rank)."""
+        """The pure-hook per-parameter state plus this rank's shards (saved by every rank).
+
+        Copies: anchor and momentum are updated in place by later syncs, and a host-resident
+        (``state_device="cpu"``) copy may still be in flight from the device.
+        """
+        if self.state_device is not None and self.state_device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory have landed
+
+        def saved(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to("cpu", copy=True)
+
         out = self.base.state()
         out["shards"] = {
             "local_rank": self.local_rank,
             "node_size": self.L,
             "chunks": [
-                {
-                    "indices": list(c.indices),
-                    "anchor": c.anchor.cpu() if c.anchor is not None else None,
-                    "momentum": c.momentum.cpu() if c.momentum is not None else None,
-                }
+                {"indices": list(c.indices), "anchor": saved(c.anchor), "momentum": saved(c.momentum)}
                 for c in self._chunks.values()
                 if c.anchor is not None or c.momentum is not None
             ],
@@ -275,7 +281,7 @@ class ShardedAverager:
                                 f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
                                 f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
                             )
-                        setattr(c, key, self._store(t.to(device=device, dtype=torch.float32)))
+                        setattr(c, key, self._store(t.to(device=device, dtype=torch.float32, copy=True)))
                 return
         # per-parameter state (a pure-hook or older checkpoint): take this rank's shard of it
         for key, store in (("anchor", self.base.anchor), ("momentum", self.base.momentum)):

@@ -252,3 +252,29 @@ def test_closed_state_keeps_no_model_alive(world1):
     del model, opt
     gc.collect()
     assert probe() is None, "the closed HierState still references the model's parameters"
+
+
+def test_sharded_state_dict_is_a_snapshot():
+    """Anchor and momentum shards are updated in place by later syncs: what state() returned,
+    and what load() was given, must not change with them."""
+    from hiersync.localsgd import ParamAverager
+    from hiersync.shards import ShardedAverager
+
+    comm = types.SimpleNamespace(
+        groups=types.SimpleNamespace(node_size=2, local_rank=0), average_shard=lambda t: completed(t)
+    )
+    params = [torch.nn.Parameter(torch.arange(6.0))]
+    avg = ShardedAverager(ParamAverager(comm, outer_lr=0.7, outer_momentum=0.9))
+    avg.base.register(params)
+    avg.capture_chunks([[0]])
+    with torch.no_grad():
+        params[0].add_(1.0)
+    avg.complete(avg.launch(params))  # creates the momentum shard, moves the anchor
+    saved = avg.state()["shards"]["chunks"][0]
+    anchor, momentum = saved["anchor"].clone(), saved["momentum"].clone()
+    avg.complete(avg.launch(params))  # updates both in place
+    assert torch.equal(saved["anchor"], anchor) and torch.equal(saved["momentum"], momentum)
+    given = {"shards": {"local_rank": 0, "node_size": 2, "chunks": [dict(saved, indices=[0])]}}
+    avg.load(given)
+    avg.complete(avg.launch(params))
+    assert torch.equal(given["shards"]["chunks"][0]["anchor"], anchor), "load() must not alias the caller's tensors"
