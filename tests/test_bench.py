@@ -349,6 +349,7 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "vs DDP" in text and "hiersync_p2_overlap_bf16" in text and "NOT shaped" in text
     assert "compute accel" in text and "targets (reports, not assertions)" in text
+    assert "no model table: the emulated preset describes the shaped 800mbit link" in text  # loopback
     names = {p.name for p in out.iterdir()}
     assert {"bench.json", "bench.csv", "bench.md", "step_time_vs_bucket.png", "step_breakdown.png"} <= names
     raw = json.loads((out / "bench.json").read_text())
@@ -402,3 +403,75 @@ def test_collbench_end_to_end_tiny(tmp_path, capsys):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (r["ranks"] - 1) / r["ranks"])
     assert "busbw" in capsys.readouterr().out
     assert (out / "busbw_vs_size.png").exists() and (out / "collbench.md").exists()
+
+
+def _model_rows():
+    """Bench rows whose measured steps are the emulated preset's own predictions, but the stream row's."""
+    import hiersync.costmodel as cm
+    from hiersync.costmodel.planner import copy_speed
+
+    prof = cm.get_preset("emulated")
+    kw = dict(
+        profile=prof, grad_bytes=25e6 * 4, bucket_bytes=25 * 2**20, backward_s=0.28, compute_s=0.5, nodes=2,
+        ranks_per_node=2, copy_s_per_byte=copy_speed(prof, None)[0],
+    )  # fmt: skip
+    base = dict(model="mlp", bucket_mb=25.0, num_params=25e6, compress=None, fragments=1, overlap=0, unsupported=None)
+    rows = []
+    for compute in ("cpu", "accel"):
+
+        def row(schedule, kind, period, step, compute=compute, **extra):
+            rows.append({**base, "compute": compute, "schedule": schedule, "kind": kind, "period": period,
+                         "step_s": step, "backward_s": 0.28, **extra})  # fmt: skip
+
+        intra = cm.step_time("intra_only", **kw).step_s
+        row("compute_only", "compute_only", 1, 0.5)
+        row("intra_only", "intra_only", None, intra)
+        row("ddp", "ddp", 1, cm.step_time("ddp", **kw).step_s)
+        row("postlocal_k4", "postlocal", 4, 0.9)  # the model has no post-local row: left out
+        row("hiersync_p4", "hiersync", 4, cm.step_time("hiersync", period=4, placement="optimizer", **kw).step_s)
+        p4o = cm.step_time("hiersync", period=4, placement="overlap", compress_ratio=0.5, **kw).step_s
+        row("hiersync_p4_overlap_bf16", "hiersync", 4, p4o, overlap=1, compress="bf16")
+        stream = cm.step_time("hiersync", period=4, fragments=4, overlap=1, placement="overlap", **kw).step_s
+        row("hiersync_p4_stream", "hiersync", 4, intra + 1.5 * (stream - intra), fragments=4, overlap=1)
+        row("hiersync_p8_stream", "hiersync", 8, intra - 0.01, fragments=8, overlap=1)  # faster than intra_only
+    return rows
+
+
+def test_cost_model_beside_the_bench(tmp_path):
+    from hiersync.costmodel import Profile, get_preset
+    from hiersync.tools import bench_model
+
+    entries = bench_model.compare(_model_rows(), get_preset("emulated"), nodes=2, ranks_per_node=2)
+    got = {(e["compute"], e["schedule"]): e for e in entries}
+    assert ("accel", "postlocal_k4") not in got and ("accel", "compute_only") not in got
+    for c in ("cpu", "accel"):
+        for name in ("ddp", "intra_only", "hiersync_p4", "hiersync_p4_overlap_bf16"):
+            assert got[c, name]["error"] == pytest.approx(0.0, abs=1e-9), name
+        assert got[c, "hiersync_p4_stream"]["error"] == pytest.approx(-1 / 3)
+        assert got[c, "ddp"]["reference"] == "compute_only" and got[c, "hiersync_p4"]["reference"] == "intra_only"
+        assert got[c, "hiersync_p8_stream"]["error"] is None  # nothing exposed: no relative error
+    # the bf16 overlap row is priced with half the bytes: it differs from the fp32 figure
+    assert got["accel", "hiersync_p4_overlap_bf16"]["predicted_s"] > 0
+    targets = bench_model.model_targets(entries)
+    assert {t["schedule"] for t in targets} == {"hiersync_p4", "hiersync_p4_overlap_bf16", "hiersync_p4_stream",
+                                                 "hiersync_p8_stream"}  # fmt: skip
+    assert all(t["compute"] == "accel" for t in targets)
+    text = bench_model.format_model_targets(targets)
+    assert "PASS  model's exposed sync of hiersync_p4 within 20%" in text
+    assert "FAIL  model's exposed sync of hiersync_p4_stream within 20%" in text and "(-33%)" in text
+    assert "n/a   model's exposed sync of hiersync_p8_stream" in text
+    table = bench_model.format_comparison(entries, "the emulated preset")
+    assert "cpu rows: gloo's transfers take the 2 cores" in table and "hiersync_p4_overlap_bf16" in table
+
+    shaped = {"mode": "netns", "inter_rate": "800mbit", "describe": "netns"}
+    assert bench_model.resolve_profile(None, shaped)[0] == get_preset("emulated")
+    prof, why = bench_model.resolve_profile(None, {"mode": "loopback", "inter_rate": None, "describe": "loopback"})
+    assert prof is None and "--profile P.json" in why
+    assert bench_model.resolve_profile(None, {**shaped, "inter_rate": "200mbit"})[0] is None
+    assert bench_model.resolve_profile("none", shaped)[0] is None
+    assert bench_model.resolve_profile("a100-1nic", shaped)[0] == get_preset("a100-1nic")
+    path = tmp_path / "p.json"
+    get_preset("emulated").save(path)
+    assert bench_model.resolve_profile(str(path), shaped)[0] == Profile.load(path)
+    with pytest.raises(ValueError, match=r"--profile='nope\.json': not a preset"):
+        bench_model.resolve_profile("nope.json", shaped)

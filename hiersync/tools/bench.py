@@ -66,6 +66,7 @@ from pathlib import Path
 
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
+from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
 from .bench_spec import (
     COMPUTE_MODELS,
     FULL_PERIODS,
@@ -345,6 +346,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-rate", default="800mbit", help="tc rate of each node's egress")
     c.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback, links not shaped")
     c.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
+    c.add_argument(
+        "--profile",
+        default=None,
+        help="link profile for the cost-model-vs-bench table: a preset name or a calibrated P.json "
+        "(default: the emulated preset on the default shaped 800mbit link; 'none' to skip)",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--results", default="results/bench", help="folder for bench.json/.csv/.md and the plots")
     o.add_argument("--no-plots", action="store_true")
@@ -390,6 +397,10 @@ def run(args: argparse.Namespace) -> int:
         logger.error("bench failed: %s", e)
         return 1
     raw["command"] = command_line(args)
+    profile, source = resolve_profile(args.profile, raw["testbed"])
+    entries = compare(rows, profile, nodes=args.nodes, ranks_per_node=args.procs_per_node) if profile else []
+    model_checks = model_targets(entries)
+    raw["model"] = {"source": source, "entries": entries, "targets": model_checks}
     paths = write_outputs(args.results, raw, rows, plots=not args.no_plots)
     targets = check_targets(rows)
     # The CLI's final output: the comparison table.
@@ -409,5 +420,9 @@ def run(args: argparse.Namespace) -> int:
         print(format_targets(targets))
         if raw["testbed"]["mode"] != "netns":
             print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")
+    print()
+    print(format_comparison(entries, source) if entries else source)
+    if model_checks:
+        print(format_model_targets(model_checks))
     print(f"\nwrote {', '.join(str(p) for p in paths)}")
     return 0

@@ -493,6 +493,12 @@ def write_outputs(results_dir: str | os.PathLike, raw: dict, rows: Sequence[dict
     targets = check_targets(rows)
     if targets:
         md += ["", "```", format_targets(targets), "```", ""]
+    model = raw.get("model") or {}
+    if model.get("entries"):
+        from .bench_model import format_comparison, format_model_targets
+
+        md += ["", "```", format_comparison(model["entries"], model["source"])]
+        md += [format_model_targets(model["targets"]), "```", ""] if model.get("targets") else ["```", ""]
     paths.append(atomic_write_text(d / "bench.md", "\n".join(md)))
     if plots and rows:
         for name, data in _plots(rows).items():

@@ -1,0 +1,179 @@
+"""The cost model beside the bench: predicted vs measured exposed communication, row by row.
+
+For each (model, bucket size, compute model) of a bench run that has a ``compute_only``
+row, the cost model (:func:`hiersync.costmodel.step_time`) is given what that row
+measured -- its step time as the compute per step, its backward phase as the backward
+time -- and the profile of the link (by default the ``emulated`` preset, when the bench
+ran on the default shaped 800 Mbit testbed). It then predicts every row the model knows:
+
+* ``ddp``, ``hiersync_p1``, ``intra_only``: *exposed communication*, the row's step minus
+  ``compute_only``'s;
+* every hiersync row with a period k > 1 (blocking after ``optimizer.step()``,
+  ``_overlap``, ``_stream``, ``_bf16``): *exposed sync*, the row's step minus
+  ``intra_only``'s, the time the inter-node average adds to a local step.
+
+Issue 13's target is that every after-step mode's exposed sync is predicted within 20%,
+judged on accelerator-like compute (with real CPU compute on this 2-core box gloo's
+transfers take the compute's cores, which the model does not price; the table still shows
+those rows, marked). Pure: no process group, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hiersync import costmodel as cm
+from hiersync.costmodel.planner import copy_speed
+
+__all__ = [
+    "EXPOSED_TOLERANCE",
+    "resolve_profile",
+    "compare",
+    "format_comparison",
+    "model_targets",
+    "format_model_targets",
+]
+
+EXPOSED_TOLERANCE = 0.20
+"""Issue 13: predicted exposed sync time within 20% of the bench's."""
+MiB = 2**20
+_DEFAULT_RATE = "800mbit"  # the link the ``emulated`` preset was calibrated for
+
+
+def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profile | None, str]:
+    """The profile to predict with, and where it came from (or why there is none).
+
+    ``spec``: a preset name, a calibrated profile's path, ``"none"``, or None (the
+    ``emulated`` preset when ``testbed`` is the default shaped link, else no model).
+    """
+    if spec is None:
+        if testbed.get("mode") != "netns" or str(testbed.get("inter_rate")) != _DEFAULT_RATE:
+            return None, (
+                f"no model table: the emulated preset describes the shaped {_DEFAULT_RATE} link and this run used "
+                f"{testbed.get('describe', 'another link')}; pass --profile P.json (python -m hiersync calibrate on it)"
+            )
+        return cm.get_preset("emulated"), "the emulated preset (the shaped 800 Mbit testbed)"
+    if spec == "none":
+        return None, "no model table (--profile none)"
+    if spec in cm.PRESETS:
+        return cm.get_preset(spec), f"the {spec} preset"
+    try:
+        return cm.Profile.load(spec), f"the profile {spec}"
+    except OSError as e:
+        raise ValueError(f"--profile={spec!r}: not a preset ({', '.join(cm.PRESETS)}) nor a readable file: {e}") from e
+
+
+def _placement(row: dict) -> str | None:
+    if row["kind"] != "hiersync" or not row["period"] or row["period"] <= 1:
+        return None
+    return "overlap" if row["overlap"] else "optimizer"
+
+
+def compare(rows: Sequence[dict], profile: cm.Profile, *, nodes: int, ranks_per_node: int) -> list[dict]:
+    """One entry per predictable row: predicted and measured exposed seconds per step, and the error."""
+    copy_beta, _ = copy_speed(profile, None)
+    by = {(r["model"], r["bucket_mb"], r.get("compute", "cpu"), r["schedule"]): r for r in rows}
+    out: list[dict] = []
+    for (model, bucket, compute, name), row in by.items():
+        floor = by.get((model, bucket, compute, "compute_only"))
+        intra = by.get((model, bucket, compute, "intra_only"))
+        if floor is None or not floor.get("step_s") or row.get("unsupported") or row.get("step_s") is None:
+            continue
+        kw: dict[str, Any] = dict(
+            profile=profile,
+            grad_bytes=row["num_params"] * 4.0,
+            bucket_bytes=bucket * MiB,
+            backward_s=floor["backward_s"],
+            compute_s=floor["step_s"],
+            nodes=nodes,
+            ranks_per_node=ranks_per_node,
+            copy_s_per_byte=copy_beta,
+        )
+        placement = _placement(row)
+        if name in ("ddp", "intra_only") or (row["kind"] == "hiersync" and row["period"] == 1):
+            schedule = "hiersync" if row["kind"] == "hiersync" else name
+            predicted = cm.step_time(schedule, **kw).exposed_s
+            reference, measured = "compute_only", row["step_s"] - floor["step_s"]
+        elif placement is not None and intra is not None and intra.get("step_s"):
+            st = cm.step_time(
+                "hiersync",
+                period=row["period"],
+                fragments=row.get("fragments", 1),
+                overlap=row["overlap"],
+                placement=placement,
+                compress_ratio=0.5 if row.get("compress") else 1.0,
+                **kw,
+            )
+            predicted = st.step_s - cm.step_time("intra_only", **kw).step_s
+            reference, measured = "intra_only", row["step_s"] - by[(model, bucket, compute, "intra_only")]["step_s"]
+        else:
+            continue
+        out.append(
+            dict(
+                model=model,
+                bucket_mb=bucket,
+                compute=compute,
+                schedule=name,
+                after_step=placement is not None,
+                reference=reference,
+                predicted_s=predicted,
+                measured_s=measured,
+                error=(predicted - measured) / measured if measured > 0 else None,
+                step_s=row["step_s"],
+            )
+        )
+    return out
+
+
+def format_comparison(entries: Sequence[dict], source: str) -> str:
+    """The model-vs-bench table: one line per row, ms per step."""
+    if not entries:
+        return ""
+    lines = [
+        f"cost model vs bench (exposed ms per step; model: {source}, given each compute model's measured "
+        "compute_only step and backward)",
+        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'error':>7s}",
+    ]
+    for e in entries:
+        err = "-" if e["error"] is None else f"{e['error']:+.0%}"
+        lines.append(
+            f"{e['schedule']:24s} {e['compute']:7s} {e['reference']:13s} {e['predicted_s'] * 1e3:9.0f} "
+            f"{e['measured_s'] * 1e3:9.0f} {err:>7s}"
+        )
+    if any(e["compute"] == "cpu" for e in entries):
+        lines.append(
+            "cpu rows: gloo's transfers take the 2 cores that compute, which the model does not price (it assumes "
+            "communication never slows compute); the targets judge the accel rows"
+        )
+    return "\n".join(lines)
+
+
+def model_targets(entries: Sequence[dict], tolerance: float = EXPOSED_TOLERANCE) -> list[dict]:
+    """Issue 13: each after-step hiersync mode's exposed sync within ``tolerance``, on accel compute."""
+    out = []
+    for e in entries:
+        if not e["after_step"] or e["compute"] != "accel":
+            continue
+        met = None if e["error"] is None else abs(e["error"]) <= tolerance
+        out.append({**e, "tolerance": tolerance, "met": met})
+    return out
+
+
+def format_model_targets(targets: Sequence[dict]) -> str:
+    lines = []
+    for t in targets:
+        what = (
+            f"model's exposed sync of {t['schedule']} within {t['tolerance']:.0%} of the bench "
+            f"[issue 13, {t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
+        )
+        pred, meas = t["predicted_s"] * 1e3, t["measured_s"] * 1e3
+        if t["met"] is None:
+            lines.append(
+                f"n/a   {what}: bench measured {meas:.0f} ms (nothing exposed to compare), model {pred:.0f} ms"
+            )
+            continue
+        lines.append(
+            f"{'PASS' if t['met'] else 'FAIL'}  {what}: model {pred:.0f} ms, bench {meas:.0f} ms ({t['error']:+.0%})"
+        )
+    return "\n".join(lines)
