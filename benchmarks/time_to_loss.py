@@ -10,15 +10,22 @@ schedule; only the synchronization differs:
   subgroups + ``PeriodicModelAverager(period=4)``).
 * ``hiersync_k4``: ``hiersync.register(ddp, opt, period=4)`` (blocking sync after the step).
 * ``hiersync_k4_stream``: ``period=4, fragments=4, overlap=1`` (streaming).
+* ``hiersync_k2_stream``: ``period=2, fragments=2, overlap=1`` (streaming at k=2: each step
+  syncs half the model, hidden behind the next step).
 
 Every ``--eval-every`` steps the ranks stop the clock, evaluate the validation loss of the
 world-mean parameters (computed aside: the trajectory is not touched) and start it again;
 the final value is measured after ``state.synchronize`` (post-local SGD: a parameter
-all-reduce), included in the wall-clock. DDP runs ``--steps`` steps; its final validation
-loss is the target. The other schedules run at least ``--steps`` steps and, if they have
-not reached the target by then, go on (lr held at its floor) up to ``--max-steps-factor``
-x steps. The report gives, per schedule, wall-clock and steps to the first evaluation at
-or below the target, and the ratios to DDP.
+all-reduce), included in the wall-clock. DDP runs ``--steps`` steps; the other schedules
+run ``--max-steps-factor`` x as many (the lr held at its floor after ``--steps``).
+
+**Seeds.** One seed's trajectory decides "steps to DDP's loss" by noise: on this model two
+schedules that differ only in the step on which they average end 0.04 apart in val loss,
+while seed-to-seed spread of that difference is as large. Every schedule therefore runs
+every seed of ``--seeds`` (initial weights and batches; default 0,1,2), and the report
+reads its mean curve over seeds: the target is DDP's mean final val loss, steps and
+wall-clock to it are the first evaluation of the schedule's mean curve at or below it.
+Each seed's own steps to its own DDP's loss are listed beside.
 
 **Link rate.** A 2-core CPU box computes this model in a few hundred ms per step, so the
 800 Mbit default link would make communication a small share of DDP's step: nothing like a
@@ -65,6 +72,7 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "postlocal_k4": None,
     "hiersync_k4": dict(period=4),
     "hiersync_k4_stream": dict(period=4, fragments=4, overlap=1),
+    "hiersync_k2_stream": dict(period=2, fragments=2, overlap=1),
 }
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
 
@@ -143,9 +151,9 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()  # the clock stops when the slowest rank is done
             wall += time.perf_counter() - t0
             step_s.append(wall)
-            val_loss = evaluate(steps) if name != "compute_only" else math.nan
-            done = steps >= args.steps and (args.target is None or val_loss <= args.target)
-            if done or last:
+            if name != "compute_only":
+                evaluate(steps)
+            if last:
                 break
             dist.barrier()
         else:
@@ -169,14 +177,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def _launch(a: argparse.Namespace, schedule: str, steps: int, max_steps: int, target: float | None) -> dict:
+def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "hiersync", "testbed", "--nodes", "2", "--procs-per-node", "2"]
         cmd += ["--inter-rate", a.inter_rate, "--timeout", str(a.timeout), "--log-dir", tmp]
         cmd += ["--", str(Path(__file__).resolve()), "--worker", "--schedule", schedule, "--out", str(out)]
-        cmd += ["--steps", str(steps), "--max-steps", str(max_steps), "--eval-every", str(a.eval_every)]
-        cmd += [*(["--target", repr(target)] if target is not None else []), *a.lm_args]
+        cmd += ["--steps", str(a.steps), "--max-steps", str(max_steps), "--eval-every", str(a.eval_every)]
+        cmd += ["--seed", str(seed), *a.lm_args]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -186,8 +194,9 @@ def _launch(a: argparse.Namespace, schedule: str, steps: int, max_steps: int, ta
         result["launch_s"] = time.perf_counter() - t0
         shaped = "network namespaces" in proc.stderr + "".join(p.read_text() for p in Path(tmp).glob("*.log"))
         result["link"] = f"tbf {a.inter_rate}" if shaped else "loopback (not shaped)"
+    result["seed"] = seed
     print(
-        f"  {schedule:20s} {result['steps']:5d} steps {result['wall_s']:7.1f} s"
+        f"  seed {seed} {schedule:20s} {result['steps']:5d} steps {result['wall_s']:7.1f} s"
         f"  final val {result['final_val_loss']:.4f}"
         f"  (launch {result['launch_s']:.0f} s)",
         flush=True,
@@ -215,23 +224,80 @@ def plan_fraction(plan_args: str) -> dict[str, Any]:
     )
 
 
-def reach(result: dict, target: float) -> dict | None:
-    return next((e for e in result["evals"] if e["step"] > 0 and e["val_loss"] <= target), None)
+def reach(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation after step 0 at or below ``target``."""
+    return next((e for e in evals if e["step"] > 0 and e["val_loss"] <= target), None)
 
 
-def plot(results: dict[str, dict], target: float, path: Path, title: str) -> None:
+def mean_curve(runs: list[dict]) -> list[dict]:
+    """Mean validation loss and wall-clock over seeds, at the evaluation steps every seed has."""
+    steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
+    by_seed = [{e["step"]: e for e in r["evals"]} for r in runs]
+    return [
+        dict(
+            step=s,
+            wall_s=sum(b[s]["wall_s"] for b in by_seed) / len(runs),
+            val_loss=sum(b[s]["val_loss"] for b in by_seed) / len(runs),
+            spread=max(b[s]["val_loss"] for b in by_seed) - min(b[s]["val_loss"] for b in by_seed),
+        )
+        for s in steps
+    ]
+
+
+def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict]]:
+    """DDP's mean final loss (the target) and one row per schedule, from every seed's run.
+
+    Steps and wall-clock to the target are read off the schedule's mean curve over seeds
+    (DDP's own: its ``steps`` and mean wall-clock); ``per_seed_steps`` is each seed's first
+    evaluation at or below *that seed's* DDP final loss (None: not reached).
+    """
+    ddp = runs["ddp"]
+    target = sum(r["final_val_loss"] for r in ddp) / len(ddp)
+    ddp_wall = sum(r["wall_s"] for r in ddp) / len(ddp)
+    rows = []
+    for name, rs in runs.items():
+        curve = mean_curve(rs)
+        hit = dict(step=steps, wall_s=ddp_wall) if name == "ddp" else reach(curve, target)
+        at = next((e for e in curve if e["step"] == steps), None)
+        per_seed = [steps if name == "ddp" else reach(r["evals"], d["final_val_loss"]) for r, d in zip(rs, ddp)]
+        row = dict(
+            schedule=name,
+            s_per_step=sum(r["wall_s"] / r["steps"] for r in rs) / len(rs),
+            val_at_ddp_steps=at["val_loss"] if at else None,
+            spread_at_ddp_steps=at["spread"] if at else None,
+            final_val_loss=sum(r["final_val_loss"] for r in rs) / len(rs),
+            steps_run=max(r["steps"] for r in rs),
+            steps_to_target=hit["step"] if hit else None,
+            wall_to_target=hit["wall_s"] if hit else None,
+            per_seed_steps=[h if h is None or isinstance(h, int) else h["step"] for h in per_seed],
+            curve=curve,
+        )
+        row["wall_x_ddp"] = row["wall_to_target"] / ddp_wall if hit else None
+        row["steps_x_ddp"] = row["steps_to_target"] / steps if hit else None
+        rows.append(row)
+    return target, rows
+
+
+def plot(runs: dict[str, list[dict]], rows: list[dict], target: float, path: Path, title: str) -> None:
+    """Mean loss over seeds vs wall-clock and vs steps; each seed's curve faint behind it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        ev = [e for e in r["evals"] if e["step"] > 0]
-        axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], marker=".", label=name)
-        axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], marker=".", label=name)
+    for i, row in enumerate(rows):
+        color = f"C{i}"
+        for r in runs[row["schedule"]] if len(runs[row["schedule"]]) > 1 else []:
+            ev = [e for e in r["evals"] if e["step"] > 0]
+            axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
+            axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
+        ev = [e for e in row["curve"] if e["step"] > 0]
+        label = row["schedule"] + (" (mean of seeds)" if len(runs[row["schedule"]]) > 1 else "")
+        axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
+        axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
     for ax, xl in zip(axes, ["wall-clock s (training only)", "step"]):
-        ax.axhline(target, color="gray", ls="--", lw=0.8, label="DDP final val loss")
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label="DDP's final val loss")
         ax.set_xlabel(xl)
         ax.set_ylabel("val loss (world-mean parameters)")
         ax.grid(alpha=0.3)
@@ -242,16 +308,42 @@ def plot(results: dict[str, dict], target: float, path: Path, title: str) -> Non
     fig.savefig(path, dpi=110)
 
 
+def table(rows: list[dict], steps: int, target: float, seeds: list[int]) -> str:
+    def fmt(v: float | None, spec: str) -> str:
+        return "not reached" if v is None else format(v, spec)
+
+    mean = "mean of seeds " + ",".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+    lines = [
+        f"| schedule | s/step | val loss at step {steps} ({mean}; spread) | steps to DDP's final loss {target:.4f} "
+        "| wall-clock s to it | wall-clock vs DDP | steps vs DDP | per seed: steps to its DDP's loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        spread = f" ({r['spread_at_ddp_steps']:.3f})" if r["spread_at_ddp_steps"] is not None and len(seeds) > 1 else ""
+        per_seed = ", ".join("-" if v is None else str(v) for v in r["per_seed_steps"])
+        lines.append(
+            f"| {r['schedule']} | {r['s_per_step']:.3f} | {fmt(r['val_at_ddp_steps'], '.4f')}{spread} "
+            f"| {fmt(r['steps_to_target'], 'd')} | {fmt(r['wall_to_target'], '.1f')} "
+            f"| {fmt(r['wall_x_ddp'], '.2f')} | {fmt(r['steps_x_ddp'], '.2f')} | {per_seed} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # --seed is not --seeds
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--schedule", default="ddp", help=argparse.SUPPRESS)
-    p.add_argument("--target", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="results/time_to_loss", help="folder for time_to_loss.json (+ png)")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/time_to_loss.png)")
     p.add_argument("--steps", type=int, default=300, help="DDP's steps (the others: at least this many)")
-    p.add_argument("--max-steps-factor", type=float, default=1.25, help="the others stop by this x steps")
+    p.add_argument("--max-steps-factor", type=float, default=1.25, help="the others run this x steps")
+    p.add_argument(
+        "--seeds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[0, 1, 2],
+        help="comma-separated seeds (initial weights and data); every schedule runs each (default 0,1,2)",
+    )
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--inter-rate", default="50mbit", help="tbf rate of each node's egress (see the docstring)")
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the compute-only and DDP probes")
@@ -265,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     a.lm_args = rest  # any examples/_lm.py flag: --batch-size, --dim, --layers, --lr, ...
-    _lm.parser("check").parse_args(rest)
+    if _lm.parser("check").parse_args(rest).seed != 0:
+        p.error("pass seeds with --seeds (every schedule runs each), not --seed")
 
     t_start = time.perf_counter()
     plan = plan_fraction(a.plan_args)
@@ -275,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print(f"probes on the testbed at {a.inter_rate} ({a.probe_steps} steps):", flush=True)
-    compute = _launch(a, "compute_only", a.probe_steps, a.probe_steps, None)
-    ddp_probe = _launch(a, "ddp", a.probe_steps, a.probe_steps, None)
+    probe = argparse.Namespace(**{**vars(a), "steps": a.probe_steps})
+    compute = _launch(probe, "compute_only", a.probe_steps, a.seeds[0])
+    ddp_probe = _launch(probe, "ddp", a.probe_steps, a.seeds[0])
     c_step, d_step = compute["wall_s"] / compute["steps"], ddp_probe["wall_s"] / ddp_probe["steps"]
     measured = max(0.0, 1 - c_step / d_step)
     f = plan["exposed_fraction"]
@@ -290,47 +384,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    print(f"training, {a.steps} steps (others up to {int(a.steps * a.max_steps_factor)}):", flush=True)
-    results: dict[str, dict] = {}
-    results["ddp"] = _launch(a, "ddp", a.steps, a.steps, None)
-    target = results["ddp"]["final_val_loss"]
-    for name in a.schedules:
-        if name != "ddp":
-            results[name] = _launch(a, name, a.steps, int(a.steps * a.max_steps_factor), target)
-
-    ref = results["ddp"]
-    table = []
-    for name, r in results.items():
-        hit = reach(r, target) if name != "ddp" else dict(step=ref["steps"], wall_s=ref["wall_s"])
-        sps = r["wall_s"] / r["steps"]
-        row = dict(
-            schedule=name,
-            s_per_step=sps,
-            steps_run=r["steps"],
-            final_val_loss=r["final_val_loss"],
-            val_at_ddp_steps=next((e["val_loss"] for e in r["evals"] if e["step"] == a.steps), None),
-            steps_to_target=hit["step"] if hit else None,
-            wall_to_target=hit["wall_s"] if hit else None,
-        )
-        row["wall_x_ddp"] = row["wall_to_target"] / ref["wall_s"] if hit else None
-        row["steps_x_ddp"] = row["steps_to_target"] / ref["steps"] if hit else None
-        table.append(row)
-    fmt = lambda v, s: f"not reached by step {r_max}" if v is None else format(v, s)
-    r_max = int(a.steps * a.max_steps_factor)
-    lines = [
-        f"| schedule | s/step | val loss at step {a.steps} | steps to DDP's final loss | wall-clock s to it "
-        "| wall-clock vs DDP (x) | steps vs DDP (x) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in table:
-        lines.append(
-            f"| {row['schedule']} | {row['s_per_step']:.3f} | {fmt(row['val_at_ddp_steps'], '.4f')} "
-            f"| {fmt(row['steps_to_target'], 'd')} | {fmt(row['wall_to_target'], '.1f')} "
-            f"| {fmt(row['wall_x_ddp'], '.2f')} | {fmt(row['steps_x_ddp'], '.2f')} |"
-        )
-    md = "\n".join(lines)
-    print(f"\ntarget: DDP's final val loss {target:.4f} after {ref['steps']} steps, {ref['wall_s']:.1f} s\n{md}")
-    for row in table:
+    max_steps = int(a.steps * a.max_steps_factor)
+    print(f"training, seeds {a.seeds}: DDP {a.steps} steps, the others {max_steps}:", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in ["ddp", *(n for n in a.schedules if n != "ddp")]}
+    for seed in a.seeds:
+        for name in runs:
+            runs[name].append(_launch(a, name, a.steps if name == "ddp" else max_steps, seed))
+    target, rows = summarize(runs, a.steps)
+    md = table(rows, a.steps, target, a.seeds)
+    ddp_wall = rows[0]["wall_to_target"]
+    print(f"\ntarget: DDP's final val loss {target:.4f} after {a.steps} steps, {ddp_wall:.1f} s\n{md}")
+    for row in rows:
         if row["schedule"].startswith("hiersync"):
             ok = row["wall_x_ddp"] is not None and row["wall_x_ddp"] <= 0.4 and row["steps_x_ddp"] <= 1.1
             verdict = "met" if ok else "NOT met"
@@ -340,24 +404,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     png = Path(a.plot) if a.plot else out / "time_to_loss.png"
     title = (
-        f"byte-level GPT on the stdlib, 2x2 testbed, {results['ddp']['link']}; "
+        f"byte-level GPT on the stdlib, 2x2 testbed, {runs['ddp'][0]['link']}, seeds {a.seeds}; "
         f"DDP exposed comm {measured:.0%} (planner, 7B on 16x8 A100 1 NIC: {f:.0%})"
     )
-    plot(results, target, png, title)
+    plot(runs, rows, target, png, title)
     command = "python benchmarks/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "time_to_loss.json").write_text(
         json.dumps(
             dict(
                 command=command.strip(),
                 inter_rate=a.inter_rate,
-                link=results["ddp"]["link"],
+                link=runs["ddp"][0]["link"],
+                seeds=a.seeds,
                 plan=plan,
                 probe=dict(compute_s_per_step=c_step, ddp_s_per_step=d_step, exposed_fraction=measured),
                 matching_rate=match_rate,
                 target=target,
-                table=table,
+                table=rows,
                 markdown=md,
-                results=results,
+                results=runs,
                 loadavg=os.getloadavg(),
                 total_s=time.perf_counter() - t_start,
             ),

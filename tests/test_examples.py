@@ -58,3 +58,34 @@ def _run(script: str, nproc: int, *extra: str, timeout: float = 90.0) -> tuple[f
 def test_example_trains(script: str, nproc: int, extra: tuple[str, ...]) -> None:
     initial, final = _run(script, nproc, *extra)
     assert math.isfinite(final) and final < initial, (initial, final)
+
+
+def test_time_to_loss_reads_the_mean_curve_over_seeds():
+    """benchmarks/time_to_loss.py's report: target = DDP's mean final loss, hits on the mean curve."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import time_to_loss as ttl
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def run(points, final, wall):
+        evals = [dict(step=s, wall_s=s * 0.1, val_loss=v) for s, v in points]
+        return dict(evals=evals, final_val_loss=final, wall_s=wall, steps=points[-1][0])
+
+    runs = {
+        "ddp": [run([(0, 5), (10, 3), (20, 2.0)], 2.0, 2.0), run([(0, 5), (10, 3), (20, 2.2)], 2.2, 2.2)],
+        # seed 0 reaches its DDP's 2.0 at 30; seed 1 its 2.2 at 30 (2.3 at 20); mean 2.225 at 20, 2.05 at 30
+        "x": [run([(0, 5), (10, 2.5), (20, 2.15), (30, 2.0)], 2.0, 1.0), run([(0, 5), (10, 2.9), (20, 2.3)], 2.3, 1.0)],
+    }
+    runs["x"][1]["evals"].append(dict(step=30, wall_s=3.0, val_loss=2.1))
+    target, rows = ttl.summarize(runs, 20)
+    assert target == pytest.approx(2.1)
+    ddp, x = rows
+    assert ddp["steps_to_target"] == 20 and ddp["wall_to_target"] == pytest.approx(2.1) and ddp["steps_x_ddp"] == 1
+    assert x["steps_to_target"] == 30 and x["steps_x_ddp"] == pytest.approx(1.5)
+    assert x["wall_x_ddp"] == pytest.approx(3.0 / 2.1) and x["per_seed_steps"] == [30, 30]
+    assert x["val_at_ddp_steps"] == pytest.approx(2.225) and x["spread_at_ddp_steps"] == pytest.approx(0.15)
+    runs["x"][1]["evals"][-1]["val_loss"] = 2.5  # seed 1 never reaches: mean curve 2.25 at 30 > 2.1
+    _, (_, x) = ttl.summarize(runs, 20)
+    assert x["steps_to_target"] is None and x["per_seed_steps"] == [30, None]
+    assert "not reached" in ttl.table([x], 20, 2.1, [0, 1])
