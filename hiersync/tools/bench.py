@@ -37,7 +37,9 @@ update (hiersync's post-step sync, the model averager). Per row the table gives 
 step time and the p50/p99 of the slowest rank's per-step durations, and the mean and peak
 inter-node MB a rank sent per step (hiersync's counters; a ring model for DDP, post-local
 SGD and the bf16 hook). The targets of issues 5 and 12 are printed as PASS/FAIL lines:
-reports, never a failed command.
+reports, never a failed command. Then the cost model's prediction of each row's exposed
+time, given the run's own measured compute, beside the measurement (:mod:`.bench_model`;
+``--profile`` picks the link profile), with issue 13's 20% target per after-step mode.
 
 The default runs in about three minutes on a 2-core machine: the emulated 2x2 cluster
 (800 Mbit/s between nodes), a 25M-parameter MLP (100 MB of fp32 gradients), 25 MB
@@ -50,7 +52,8 @@ Example::
     $ python -m hiersync bench --loopback --mlp-params 1M --steps 2 --warmup 1
 
 Modules: :mod:`.bench_spec` (schedule names), :mod:`.bench_worker` (what each rank runs),
-:mod:`.report` (tables, targets, plots, files), this one (the sweep and the command).
+:mod:`.report` (tables, targets, plots, files), :mod:`.bench_model` (the cost model beside
+it), this one (the sweep and the command).
 """
 
 from __future__ import annotations
