@@ -73,7 +73,13 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "hiersync_k4": dict(period=4),
     "hiersync_k4_stream": dict(period=4, fragments=4, overlap=1),
     "hiersync_k2_stream": dict(period=2, fragments=2, overlap=1),
+    # not in the default run: the loss-only comparisons of docs/benchmarks.md ("Time to loss")
+    "postlocal_k4_aligned": None,  # PeriodicModelAverager(warmup_steps=3): averages after steps 4, 8, ...
+    "hiersync_k4_warm30": dict(period=4, warmup_steps=30),
+    "hiersync_k4_outer": dict(period=4, outer_lr=1.0, outer_momentum=0.5),
+    "hiersync_k4_diloco": dict(period=4, outer_lr=0.7, outer_momentum=0.9),
 }
+DEFAULT_SCHEDULES = ["ddp", "postlocal_k4", "hiersync_k4", "hiersync_k4_stream", "hiersync_k2_stream"]
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
 
 
@@ -111,14 +117,14 @@ def worker(args: argparse.Namespace) -> None:
     state, averager, name = None, None, args.schedule
     if name == "compute_only":
         ddp.register_comm_hook(None, _noop_hook)
-    elif name == "postlocal_k4":
+    elif name.startswith("postlocal_k4"):
         from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
         nodes = hiersync.Topology.detect().nodes
         intra, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
         ddp.register_comm_hook(PostLocalSGDState(None, intra, start_localSGD_iter=0), post_localSGD_hook)
-        averager = PeriodicModelAverager(period=4, warmup_steps=0)
+        averager = PeriodicModelAverager(period=4, warmup_steps=3 if name.endswith("aligned") else 0)
     elif SCHEDULES.get(name) is not None:
         state = hiersync.register(ddp, opt, **SCHEDULES[name])
 
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-rate", default="50mbit", help="tbf rate of each node's egress (see the docstring)")
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the compute-only and DDP probes")
     p.add_argument("--plan-args", default=PLAN_ARGS, help="the real setting whose DDP exposed fraction to match")
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(SCHEDULES))
     p.add_argument("--timeout", type=float, default=900.0, help="per testbed launch, seconds")
     a, rest = p.parse_known_args(argv)
     if a.worker:
