@@ -265,7 +265,7 @@ def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict
         curve = mean_curve(rs)
         hit = dict(step=steps, wall_s=ddp_wall) if name == "ddp" else reach(curve, target)
         at = next((e for e in curve if e["step"] == steps), None)
-        per_seed = [steps if name == "ddp" else reach(r["evals"], d["final_val_loss"]) for r, d in zip(rs, ddp)]
+        own = [None if name == "ddp" else reach(r["evals"], d["final_val_loss"]) for r, d in zip(rs, ddp)]
         row = dict(
             schedule=name,
             s_per_step=sum(r["wall_s"] / r["steps"] for r in rs) / len(rs),
@@ -275,7 +275,7 @@ def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict
             steps_run=max(r["steps"] for r in rs),
             steps_to_target=hit["step"] if hit else None,
             wall_to_target=hit["wall_s"] if hit else None,
-            per_seed_steps=[h if h is None or isinstance(h, int) else h["step"] for h in per_seed],
+            per_seed_steps=[steps if name == "ddp" else h["step"] if h else None for h in own],
             curve=curve,
         )
         row["wall_x_ddp"] = row["wall_to_target"] / ddp_wall if hit else None

@@ -81,6 +81,7 @@ from .bench_spec import (
     parse_schedule,
     timed_steps,
 )
+from .netns import DEFAULT_RATE
 from .report import check_targets, format_table, format_targets, summarize, write_outputs
 
 __all__ = [
@@ -158,7 +159,7 @@ def run_bench(
     *,
     nodes: int = 2,
     procs_per_node: int = 2,
-    inter_rate: str | None = "800mbit",
+    inter_rate: str | None = DEFAULT_RATE,
     loopback: bool = False,
     timeout: float = 900.0,
     progress: bool = True,
@@ -346,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=2)
     c.add_argument("--procs-per-node", type=int, default=2)
-    c.add_argument("--inter-rate", default="800mbit", help="tc rate of each node's egress")
+    c.add_argument("--inter-rate", default=DEFAULT_RATE, help="tc rate of each node's egress")
     c.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback, links not shaped")
     c.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
     c.add_argument(

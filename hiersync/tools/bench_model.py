@@ -26,6 +26,8 @@ from typing import Any
 from hiersync import costmodel as cm
 from hiersync.costmodel.planner import copy_speed
 
+from .netns import DEFAULT_RATE
+
 __all__ = [
     "EXPOSED_TOLERANCE",
     "resolve_profile",
@@ -38,7 +40,6 @@ __all__ = [
 EXPOSED_TOLERANCE = 0.20
 """Issue 13: predicted exposed sync time within 20% of the bench's."""
 MiB = 2**20
-_DEFAULT_RATE = "800mbit"  # the link the ``emulated`` preset was calibrated for
 
 
 def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profile | None, str]:
@@ -48,9 +49,9 @@ def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profi
     ``emulated`` preset when ``testbed`` is the default shaped link, else no model).
     """
     if spec is None:
-        if testbed.get("mode") != "netns" or str(testbed.get("inter_rate")) != _DEFAULT_RATE:
+        if testbed.get("mode") != "netns" or str(testbed.get("inter_rate")) != DEFAULT_RATE:
             return None, (
-                f"no model table: the emulated preset describes the shaped {_DEFAULT_RATE} link and this run used "
+                f"no model table: the emulated preset describes the shaped {DEFAULT_RATE} link and this run used "
                 f"{testbed.get('describe', 'another link')}; pass --profile P.json (python -m hiersync calibrate on it)"
             )
         return cm.get_preset("emulated"), "the emulated preset (the shaped 800 Mbit testbed)"
@@ -106,7 +107,7 @@ def compare(rows: Sequence[dict], profile: cm.Profile, *, nodes: int, ranks_per_
                 **kw,
             )
             predicted = st.step_s - cm.step_time("intra_only", **kw).step_s
-            reference, measured = "intra_only", row["step_s"] - by[(model, bucket, compute, "intra_only")]["step_s"]
+            reference, measured = "intra_only", row["step_s"] - intra["step_s"]
         else:
             continue
         out.append(

@@ -25,6 +25,7 @@ from typing import Any
 from hiersync._io import atomic_write_bytes
 from hiersync._launch import run as launch_ranks
 
+from .netns import DEFAULT_RATE
 from .testbed import Testbed, TestbedError
 
 __all__ = ["run_ranks", "resolve", "call"]
@@ -51,7 +52,7 @@ def run_ranks(
     *,
     nodes: int = 2,
     procs_per_node: int = 2,
-    inter_rate: str | None = "800mbit",
+    inter_rate: str | None = DEFAULT_RATE,
     loopback: bool = False,
     timeout: float = 600.0,
     pg_timeout: float = 120.0,

@@ -45,6 +45,7 @@ from hiersync._io import atomic_write_bytes, atomic_write_json, atomic_write_tex
 from hiersync.vocab import GiB, KiB, MiB, parse_size
 
 from .linkrate import tcp_throughput
+from .netns import DEFAULT_RATE
 
 __all__ = [
     "OPS",
@@ -276,7 +277,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tcp-mb", type=float, default=32.0, help="MB per stream for the raw TCP ceiling")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--procs-per-node", type=int, default=2)
-    parser.add_argument("--inter-rate", default="800mbit")
+    parser.add_argument("--inter-rate", default=DEFAULT_RATE)
     parser.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback, links not shaped")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--results", default="results/collbench")

@@ -36,6 +36,9 @@ __all__ = [
     "tail",
 ]
 
+DEFAULT_RATE = "800mbit"
+"""The testbed's inter-node link by default (tbf rate of each node's egress): the link the cost
+model's ``emulated`` preset describes."""
 NS_PREFIX = "hiersync-"
 """Every namespace a testbed creates is called ``hiersync-<pid>-<n>-<node|sw>``."""
 IP_TIMEOUT_S = 20.0

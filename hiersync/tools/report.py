@@ -20,6 +20,7 @@ from typing import Any
 
 from hiersync._io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
+from .bench_model import format_comparison, format_model_targets
 from .bench_spec import NEVER
 
 __all__ = [
@@ -495,10 +496,10 @@ def write_outputs(results_dir: str | os.PathLike, raw: dict, rows: Sequence[dict
         md += ["", "```", format_targets(targets), "```", ""]
     model = raw.get("model") or {}
     if model.get("entries"):
-        from .bench_model import format_comparison, format_model_targets
-
         md += ["", "```", format_comparison(model["entries"], model["source"])]
-        md += [format_model_targets(model["targets"]), "```", ""] if model.get("targets") else ["```", ""]
+        if model.get("targets"):
+            md.append(format_model_targets(model["targets"]))
+        md += ["```", ""]
     paths.append(atomic_write_text(d / "bench.md", "\n".join(md)))
     if plots and rows:
         for name, data in _plots(rows).items():

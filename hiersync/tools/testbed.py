@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .netns import (
+    DEFAULT_RATE,
     IP_TIMEOUT_S,
     NS_PREFIX,
     descendants,
@@ -107,7 +108,7 @@ class Testbed:
         self,
         nodes: int = 2,
         procs_per_node: int = 2,
-        inter_rate: str | None = "800mbit",
+        inter_rate: str | None = DEFAULT_RATE,
         *,
         burst: str = "256kb",
         latency: str = "100ms",
@@ -469,7 +470,7 @@ class Testbed:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     parser.add_argument("--procs-per-node", type=int, default=2, help="ranks per node")
-    parser.add_argument("--inter-rate", default="800mbit", help="tc rate of each node's egress, or 'none'")
+    parser.add_argument("--inter-rate", default=DEFAULT_RATE, help="tc rate of each node's egress, or 'none'")
     parser.add_argument("--burst", default="256kb", help="tbf burst")
     parser.add_argument("--latency", default="100ms", help="tbf latency (queue limit)")
     parser.add_argument("--loopback", action="store_true", help="do not build namespaces; plain loopback")
