@@ -271,24 +271,34 @@ class HierComm:
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         ar = span("hiersync/inter_allreduce", ar)
-        done = self._gather_shards(flat, shard, shard_len, ar, "all-gather")
+        done = self._gather_shards(lambda: (flat, shard), shard_len, flat, ar, "all-gather")
         return after(done, lambda: flat if flat is tensor else flat[:n], tensor.device)
 
     def _gather_shards(
-        self, padded: torch.Tensor, shard: torch.Tensor, shard_len: int, ready: torch.futures.Future, what: str
+        self,
+        buffers: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        shard_len: int,
+        like: torch.Tensor,
+        ready: torch.futures.Future,
+        what: str,
     ) -> torch.futures.Future:
-        """Once ``ready``, give every rank of the node all L shards of ``padded``.
+        """Once ``ready``, give every rank of the node all L shards of a padded vector.
 
-        ``shard`` is this rank's slice (a view of ``padded`` or a separate tensor).
+        ``buffers()`` returns ``(padded, shard)``: the output (``L * shard_len`` values) and
+        this rank's slice (a view of ``padded`` or a separate tensor). It is called once
+        ``ready`` is done, on hiersync's side stream, in submission order (:class:`Sequencer`),
+        so it may also compute the shard or allocate the output. ``like`` gives the dtype and
+        device. The future holds nothing: read ``padded`` after waiting on it.
         """
         g = self.groups
         L = g.node_size
-        esize = padded.element_size()
+        esize = like.element_size()
         lo = g.local_rank * shard_len
         if self.intra_algorithm == "rs_ag":
-            self.stats.record(INTRA, "all_gather", L, padded.numel() * esize)
+            self.stats.record(INTRA, "all_gather", L, L * shard_len * esize)
 
             def launch() -> torch.futures.Future:
+                padded, shard = buffers()
                 return _issue(_all_gather, padded, shard, group=g.intra_late, what=f"intra {what}")
 
             span_name = "hiersync/intra_all_gather"
@@ -298,6 +308,7 @@ class HierComm:
                 self.stats.record(INTRA, "broadcast", L, shard_len * esize)
 
             def launch() -> torch.futures.Future:
+                padded, shard = buffers()
                 if shard.data_ptr() != padded[lo:].data_ptr():
                     padded[lo : lo + shard_len].copy_(shard)
                 futs = [
@@ -313,7 +324,7 @@ class HierComm:
                 return when_all(futs, padded.device, self._phase(f"intra {what}"))
 
             span_name = "hiersync/intra_broadcast_shards"
-        fut = self._seq_late.submit(ready, launch, padded.device, self._phase(f"intra {what}"))
+        fut = self._seq_late.submit(ready, launch, like.device, self._phase(f"intra {what}"))
         return span(span_name, fut)
 
     def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
@@ -398,7 +409,7 @@ class HierComm:
         ar = self.average_shard(shard)
         if L == 1:
             return after(ar, lambda: flat.copy_(shard), flat.device)
-        done = self._gather_shards(padded, shard, shard_len, ar, "parameter gather")
+        done = self._gather_shards(lambda: (padded, shard), shard_len, padded, ar, "parameter gather")
         if padded is flat:
             return after(done, lambda: flat, flat.device)
         return after(done, lambda: flat.copy_(padded[:n]), flat.device)
@@ -434,8 +445,37 @@ class HierComm:
         n = shard.numel()
         if out.numel() != L * n:
             raise ValueError(f"gather_node: out has {out.numel()} values, needs {L} x {n}")
-        done = self._gather_shards(out, shard, n, completed(None, out.device), "parameter gather")
+        done = self._gather_shards(lambda: (out, shard), n, out, completed(None, out.device), "parameter gather")
         return after(done, lambda: out, out.device)
+
+    def gather_node_after(
+        self, ready: torch.futures.Future, make_shard: Callable[[], torch.Tensor], like: torch.Tensor
+    ) -> torch.futures.Future:
+        """Once ``ready`` is done, all-gather the node's shards ``make_shard()`` into a new vector.
+
+        ``make_shard`` runs once ``ready`` is done, on hiersync's side stream (a backend
+        thread on gloo), and returns this rank's shard, ``len(like)`` values of ``like``'s
+        dtype and device; the output (``L`` shards) is allocated then, so it exists only
+        from then on. The gather is issued in the order of the calls to this method (not
+        in the order the ``ready`` futures complete), so the node's ranks issue the same
+        gathers in the same order. The future holds the gathered vector; it fails with
+        ``ready``'s or ``make_shard``'s error. Needs L > 1.
+        """
+        L = self.groups.node_size
+        if L == 1:
+            raise ValueError("gather_node_after needs a node of more than one rank")
+        n = like.numel()
+        cell: list[torch.Tensor] = []
+
+        def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+            shard = make_shard()
+            if shard.numel() != n:
+                raise ValueError(f"gather_node_after: the shard has {shard.numel()} values, expected {n}")
+            cell.append(torch.empty(L * n, dtype=shard.dtype, device=shard.device))
+            return cell[0], shard
+
+        done = self._gather_shards(buffers, n, like, ready, "parameter gather")
+        return after(done, lambda: cell.pop(), like.device)
 
     def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
         g = self.groups

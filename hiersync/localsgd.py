@@ -95,6 +95,8 @@ class Completes(Protocol):
 
     def complete(self, launched: Launched) -> torch.Tensor: ...
 
+    def part_of(self, indices: Sequence[int], whole: torch.Tensor) -> torch.Tensor: ...
+
 
 @dataclass
 class Pending:
@@ -107,10 +109,21 @@ class Pending:
     apply_at: int = 0
     """Applied by the first ``after_step`` whose step count is at least this."""
     fragment: int = 0
+    gathered: torch.futures.Future | None = None
+    """Sharded averagers: the node's whole correction, gathered as soon as the rail leg is
+    done (:meth:`~hiersync.shards.ShardedAverager.gather_correction`); then ``snapshot``
+    and ``launched`` are ``None``."""
+
+    def whole(self) -> torch.Tensor | None:
+        """The node's gathered correction (waited for), or ``None`` if there is none."""
+        return None if self.gathered is None else wait(self.gathered)
 
     def resolve(self, averager: Completes) -> torch.Tensor:
-        """Wait for the transfer and return the fp32 correction to add to the parameters."""
+        """Wait for the transfer and return this rank's fp32 correction (its part of it)."""
         if self.correction is None:
+            if self.gathered is not None:
+                self.correction = averager.part_of(self.indices, wait(self.gathered))
+                return self.correction
             assert self.launched is not None and self.snapshot is not None
             target = averager.complete(self.launched)
             self.correction = target.sub_(self.snapshot)

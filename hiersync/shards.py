@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .futures import wait
+from .futures import completed, wait
 from .localsgd import Launched, ParamAverager, put
 
 __all__ = ["ShardedAverager", "GATHER_PIECE_BYTES"]
@@ -167,7 +167,37 @@ class ShardedAverager:
 
     def complete(self, launched: Launched) -> torch.Tensor:
         """Wait for ``launched``; return this rank's shard of the fp32 target; update the state."""
+        return self._complete(self.chunk(launched.indices), launched)
+
+    def gather_correction(self, launched: Launched) -> torch.futures.Future | None:
+        """The node's whole correction ``target - snapshot`` for ``launched``, gathered early.
+
+        As soon as the rail leg is done, this rank turns its shard into its part of the
+        correction (the maths of :meth:`complete`, which updates anchor and momentum) and
+        the node all-gathers the parts into one fp32 buffer of the chunk, so that
+        applying it later is a local add, not a blocking gather. The gathers are issued in
+        the order of these calls (the launch order, identical on every rank). The buffer,
+        the chunk's size in fp32, lives until the correction is applied. ``None`` when the
+        node has one rank (nothing to gather): use :meth:`complete` then.
+        """
+        if self.L == 1:
+            return None
         c = self.chunk(launched.indices)
+        assert launched.snapshot is not None, "gather_correction needs launch(..., keep_snapshot=True)"
+        like = launched.snapshot
+
+        def part() -> torch.Tensor:
+            # ``c`` is held here: closing the averager meanwhile does not change what is issued.
+            # The snapshot and the transfer's payload are dropped as soon as they are used.
+            snapshot, launched.snapshot = launched.snapshot, None
+            assert snapshot is not None
+            out = self._complete(c, launched).sub_(snapshot)
+            launched.future = completed(None)
+            return out
+
+        return self.comm.gather_node_after(launched.future, part, like)
+
+    def _complete(self, c: _Chunk, launched: Launched) -> torch.Tensor:
         avg = wait(launched.future)
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
         # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
@@ -216,6 +246,14 @@ class ShardedAverager:
                 hi = min(r * c.s + b, c.n)
                 if lo < hi:
                     self._write_range(c, lo, got[r * (b - a) : r * (b - a) + hi - lo], add)
+
+    @torch.no_grad()
+    def add_gathered(self, indices: list[int], gathered: torch.Tensor) -> None:
+        """Add a correction from :meth:`gather_correction` to the parameters (local, no collective)."""
+        c = self.chunk(indices)
+        if gathered.is_cuda:  # allocated on hiersync's side stream, read here on the current one
+            gathered.record_stream(torch.cuda.current_stream(gathered.device))
+        self._write_range(c, 0, gathered[: c.n], add=True)
 
     def _write_range(self, c: _Chunk, lo: int, values: torch.Tensor, add: bool) -> None:
         """Copy (or add) ``values`` into the chunk's flat range starting at ``lo``."""

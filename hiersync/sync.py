@@ -165,7 +165,11 @@ class CrossNodeSync:
             self._settle_fragment(f)
         for f, idx in self._chunks(fragments):
             launched = avg.launch([avg.params[i] for i in idx], keep_snapshot=True)
-            self.pending.append(Pending(idx, launched.snapshot, launched, apply_at=apply_at, fragment=f))
+            gathered = avg.gather_correction(launched) if isinstance(avg, ShardedAverager) else None
+            if gathered is not None:  # the node gathers it as soon as the rail leg is done
+                self.pending.append(Pending(idx, None, None, apply_at=apply_at, fragment=f, gathered=gathered))
+            else:
+                self.pending.append(Pending(idx, launched.snapshot, launched, apply_at=apply_at, fragment=f))
 
     def capture_anchor(self) -> None:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
@@ -208,8 +212,13 @@ class CrossNodeSync:
                 )
         self.pending = [p for p in self.pending if all(p is not d for d in due)]
         for p in due:
-            corr = p.resolve(avg)
-            avg.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
+            gathered = p.whole()
+            if gathered is not None:
+                assert isinstance(avg, ShardedAverager)
+                avg.add_gathered(p.indices, gathered)
+            else:
+                corr = p.resolve(avg)
+                avg.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:

@@ -132,6 +132,7 @@ def test_errors_keep_their_hiersync_type(emulated):
 PARITY = ("ddp_parity", ["plain"], 3)
 LOCAL_SGD = ("localsgd_check", dict(mode="pure", period=2, steps=4))
 OVERLAP = ("localsgd_check", dict(mode="overlap", period=2, steps=5))
+ATTACHED = ("localsgd_check", dict(mode="attached", period=2, steps=4))
 SYNCHRONIZE = ("synchronize_check", "attached")
 
 # (module, the function whose wait() is skipped, the run that must notice). The first
@@ -141,9 +142,11 @@ SITES = {
     "later_leg_launched_unwaited": ("hiersync.collectives", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
     # In pure-hook mode the step's join waits on the average before complete() reads it;
-    # after optimizer.step() (attached, overlap) complete() is the only reader.
-    "averaged_params_written_unwaited": ("hiersync.shards", "complete", OVERLAP),
-    "gathered_shards_written_unwaited": ("hiersync.shards", "write", OVERLAP),
+    # after optimizer.step() (attached) _complete() is the only reader. (With overlap it runs
+    # inside the gather's Sequencer launch, which has waited on the same future already.)
+    "averaged_params_written_unwaited": ("hiersync.shards", "_complete", ATTACHED),
+    "gathered_shards_written_unwaited": ("hiersync.shards", "write", ATTACHED),  # blocking: gather at write
+    "gathered_correction_added_unwaited": ("hiersync.localsgd", "whole", OVERLAP),  # gathered early
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
     "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
@@ -169,7 +172,7 @@ def test_emulation_catches_a_skipped_wait(site, emulated):
     )
 
 
-@pytest.mark.parametrize("site", ["later_leg_launched_unwaited", "averaged_params_written_unwaited"])
+@pytest.mark.parametrize("site", ["later_leg_launched_unwaited", "after_reads_unwaited"])
 def test_plain_gloo_does_not_see_the_same_defect(site, monkeypatch):
     """Why the mode exists: on gloo a future completes when its data is there."""
     monkeypatch.delenv(emulation.ENV, raising=False)
