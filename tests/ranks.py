@@ -410,9 +410,13 @@ def localsgd_check(cfg: dict) -> dict:
     same_node = [r for r in range(W) if topo.node_of(r) == topo.node_of(rank)]
     worst = 0.0
     nodes_differed = False
+    gathered_early: list[bool] = []  # per correction in flight after a step: gathered before its apply?
     for step in range(steps):
         kind = sched.kind(step)
         train(ddp, opt, 1, accum, start=step)
+        for p in state.engine.pending:
+            # waits for the node gather without applying anything: it must have been issued already
+            gathered_early.append(p.whole() is not None)
         if stream and step == 0:
             # the fragments, as model.parameters() indices (the hook's registry order -> the model's)
             where = {id(p): j for j, p in enumerate(ddp.module.parameters())}
@@ -454,6 +458,7 @@ def localsgd_check(cfg: dict) -> dict:
         "layout": [list(f) for f in state.engine.layout()] if stream else None,
         "num_params": len(state.averager.params),
         "param_scale": float(_flat(ddp.parameters()).abs().max()),
+        "gathered_early": gathered_early,
     }
 
 

@@ -25,14 +25,12 @@ pytestmark = pytest.mark.usefixtures("nccl_mode")  # as is, and under emulated N
 
 CASES = {
     "F4_tau1": dict(mode="stream", period=4, fragments=4, tau=1, warmup=1, steps=11),
-    "F2_blocking": dict(mode="stream", period=4, fragments=2, tau=0, steps=9),
+    "F2_blocking_gathered_in_pieces": dict(mode="stream", period=4, fragments=2, tau=0, steps=9, gather_piece_bytes=16),
     "F4_tau3": dict(mode="stream", period=4, fragments=4, tau=3, steps=11),
     "F6_more_fragments_than_steps": dict(mode="stream", period=4, fragments=6, tau=2, steps=10),
     "F4_tau1_outer": dict(mode="stream", period=4, fragments=4, tau=1, steps=10, outer=(0.7, 0.9)),
     "F1_tau2_whole_model": dict(mode="stream", period=3, fragments=1, tau=2, steps=8),
-    "F2_tau1_outer_gathered_in_pieces": dict(
-        mode="stream", period=2, fragments=2, tau=1, steps=7, outer=(0.7, 0.9), gather_piece_bytes=16
-    ),
+    "F2_tau1_outer": dict(mode="stream", period=2, fragments=2, tau=1, steps=7, outer=(0.7, 0.9)),
     "F4_tau1_outer_state_on_host": dict(
         mode="stream", period=4, fragments=4, tau=1, steps=9, outer=(0.7, 0.9), state_device="cpu"
     ),
@@ -57,6 +55,8 @@ def test_matches_reference_2x2(case):
         assert r["nodes_differed"], "between syncs the nodes should drift apart"
         sched = Schedule(cfg["period"], cfg.get("warmup", 0), cfg["fragments"])
         assert r["sync_steps"] == [s for s in range(cfg["steps"]) if sched.is_sync(s)]
+        if cfg["tau"]:  # L = 2: the node gathers each correction when its rail leg is done, not at apply time
+            assert r["gathered_early"] and all(r["gathered_early"]), r["gathered_early"]
     assert all(r["launches"] == res[0]["launches"] for r in res), "launch order differs between ranks"
 
 
@@ -65,6 +65,8 @@ def test_matches_reference_other_topologies(name):
     cfg = dict(mode="stream", period=2, fragments=2, tau=1, steps=7)
     for r in launch(ranks.localsgd_check, TOPOLOGIES[name], cfg):
         _check_windows(r, cfg)
+        # 2x1: nothing to gather in a node of one rank; uneven nodes keep whole vectors
+        assert r["gathered_early"] and all(r["gathered_early"]) == (name == "noncontiguous"), r["gathered_early"]
 
 
 def test_bf16_deltas_error_is_bounded():
