@@ -3,12 +3,13 @@
 The cross-node average is rail-sharded: in a node of L ranks, local rank ``l`` all-reduces
 shard ``l`` of each chunk across nodes, and the node assembles the result over its fast
 intra-node links. So a rank needs the fp32 anchor, the outer momentum, the snapshot of a
-sync in flight and the transfer payload for *its* shard only; the full vector exists only
-transiently, one chunk at a time, when the node gathers a finished target or correction
-into the parameters. Per rank that is ``2/L`` of the fp32 parameter bytes in steady state
-(anchor + momentum, only with ``compress`` or an outer step) plus ``2/L`` of the chunks in
-flight and one gathered chunk, instead of several full copies (docs/local-sgd.md,
-"Memory").
+sync in flight and the transfer payload for *its* shard only. The full vector of a chunk
+exists only transiently: a blocking sync's target is gathered into the parameters piece by
+piece; an overlapped sync's correction is gathered as soon as its rail leg is done
+(:meth:`ShardedAverager.gather_correction`) and kept until it is added. Per rank that is
+``2/L`` of the fp32 parameter bytes in steady state (anchor + momentum, only with
+``compress`` or an outer step) plus ``2/L`` of the chunks in flight and their gathered
+corrections, instead of several full copies (docs/local-sgd.md, "Memory").
 
 A chunk is a tuple of registry positions (the sync engine's chunks: deterministic,
 identical on every rank). Its flat fp32 layout is the concatenation of those parameters;
