@@ -237,6 +237,11 @@ class ParamAverager:
         """This rank's part of a whole-vector correction (the whole vector here)."""
         return whole
 
+    def gather_correction(self, launched: Launched) -> None:
+        """Always ``None``: a whole-vector average already ends with the node's gather
+        (:meth:`HierComm.average_across_nodes`); the correction comes from :meth:`complete`."""
+        return None
+
     def complete(self, launched: Launched) -> torch.Tensor:
         """Wait for ``launched`` and return its fp32 target; update anchor and momentum.
 

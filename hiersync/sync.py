@@ -165,7 +165,7 @@ class CrossNodeSync:
             self._settle_fragment(f)
         for f, idx in self._chunks(fragments):
             launched = avg.launch([avg.params[i] for i in idx], keep_snapshot=True)
-            gathered = avg.gather_correction(launched) if isinstance(avg, ShardedAverager) else None
+            gathered = avg.gather_correction(launched)
             if gathered is not None:  # the node gathers it as soon as the rail leg is done
                 self.pending.append(Pending(idx, None, None, apply_at=apply_at, fragment=f, gathered=gathered))
             else:
