@@ -81,12 +81,14 @@ def test_percentiles_and_per_step_statistics():
     assert report.percentile([5.0], 99) == 5.0
     with pytest.raises(ValueError):
         report.percentile([], 50)
-    # per step, the slowest rank: rank 1's second step is the long one
+    # the job's step ends when its last rank ends it: rank 1's second step is the long one,
+    # and its third (1 s on rank 0, 0.5 s on rank 1) ends 0.5 s after the job's second
     runs = [
         {"unsync_step_ends": [1.0, 2.0, 3.0], "inter_bytes_steps": [0.0, 10.0, 0.0]},
         {"unsync_step_ends": [1.0, 4.0, 4.5], "inter_bytes_steps": [0.0, 12.0, 1.0]},
     ]
-    assert report.step_durations(runs) == pytest.approx([1.0, 3.0, 1.0])
+    assert report.step_durations(runs) == pytest.approx([1.0, 3.0, 0.5])
+    assert sum(report.step_durations(runs)) == pytest.approx(4.5)  # the slowest rank's elapsed time
     assert report.inter_bytes_per_step(runs) == [0.0, 12.0, 1.0]
     assert report.inter_bytes_per_step([{"inter_bytes_steps": None}, runs[0]]) is None
 

@@ -34,7 +34,8 @@ ratios use (overlap only shows there). ``steps`` is rounded up to a multiple of 
 *Communication wait* is the exposed part: the time ``backward()`` keeps running after the
 slowest rank's last gradient was accumulated, plus the time spent after the optimizer's own
 update (hiersync's post-step sync, the model averager). Per row the table gives the mean
-step time and the p50/p99 of the slowest rank's per-step durations, and the mean and peak
+step time and the p50/p99 of the job's per-step durations (a step ends when its last rank
+ends it: :func:`.report.step_durations`), and the mean and peak
 inter-node MB a rank sent per step (hiersync's counters; a ring model for DDP, post-local
 SGD and the bf16 hook). The targets of issues 5 and 12 are printed as PASS/FAIL lines:
 reports, never a failed command. Then the cost model's prediction of each row's exposed
@@ -414,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
         f"load average {env['loadavg_1min_before']:.1f} -> {env['loadavg_1min_after']:.1f} on {env['cpus']} cores)"
     )
     print(
-        "step s: mean unsynchronized step time (slowest rank), p50/p99 of its per-step times; "
+        "step s: mean unsynchronized step time (slowest rank), p50/p99 of the job's per-step times "
+        "(a step ends when its last rank ends it); "
         "data..opt: attributed with barriers between phases;\ninter MB/step, peak MB: mean and largest "
         "inter-node MB a rank sent per timed step; ratios compare rows of one compute model\n"
     )

@@ -63,12 +63,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def step_durations(runs: Sequence[dict]) -> list[float]:
-    """Per unsynchronized step, the slowest rank's duration (each rank's steps end at its own times)."""
-    per_rank = []
-    for r in runs:
-        ends = list(r["unsync_step_ends"])
-        per_rank.append([b - a for a, b in zip([0.0] + ends[:-1], ends)])
-    return [max(d) for d in zip(*per_rank)]
+    """The job's unsynchronized step durations: step i ends when its last rank ends it.
+
+    Every rank times its step ends from the same barrier, so step i lasts from the last
+    rank's end of step i - 1 to the last rank's end of step i; the durations add up to
+    the slowest rank's elapsed time, so their mean is the mean step time. (The largest
+    per-rank duration of each step would count a rank that merely caught up after a slow
+    step as a second slow step: ranks of different nodes drift apart by tens of ms.)
+    """
+    ends = [max(e) for e in zip(*(r["unsync_step_ends"] for r in runs))]
+    return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
 
 
 def inter_bytes_per_step(runs: Sequence[dict]) -> list[float] | None:
@@ -85,8 +89,9 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
     Phases are barrier to barrier; compute parts use the slowest rank (the critical path)
     and the rest of each interval is communication wait, so the phases add up to the
     attributed total. ``step_s`` is the unsynchronized step time of the slowest rank (the
-    mean over the timed steps), ``step_p50_s``/``step_p99_s`` percentiles of the slowest
-    rank's per-step durations; ``inter_mb_step_mean``/``inter_mb_step_peak`` the mean and
+    mean over the timed steps), ``step_p50_s``/``step_p99_s`` percentiles of the job's per-step
+    durations (:func:`step_durations`; ``step_durations_s`` lists them, ";"-joined, over
+    every repeat); ``inter_mb_step_mean``/``inter_mb_step_peak`` the mean and
     the largest per-step inter-node MB a rank sent in those steps. With repeats, every number
     is the median over the repeats (``step_s_runs`` lists them). A schedule the installed
     hiersync cannot build has ``unsupported`` set and no numbers.
@@ -125,6 +130,7 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
         row.update(dict.fromkeys(numbers))
         row["inter_source"] = run0.get("inter_bytes_source")
         row["accel_asked_s"] = row["accel_slept_s"] = None
+        row["step_durations_s"] = ""
         if row["unsupported"]:
             rows.append(row)
             continue
@@ -152,6 +158,7 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
                 "step_p50_s": percentile(per_step, 50),
                 "step_p99_s": percentile(per_step, 99),
                 "step_std_s": statistics.pstdev(per_step) if len(per_step) > 1 else 0.0,
+                "step_durations_s": ";".join(f"{d:.4f}" for d in per_step),
                 "attributed_total_s": attributed_total,
                 **{f"{p}_s": phases[p] for p in PHASES},
                 "inter_mb_sent_per_step": (
@@ -190,6 +197,7 @@ def _merge_repeats(rows: list[dict]) -> list[dict]:
                 row[k] = statistics.median(vals)
         row["repeats"] = len(rs)
         row["step_s_runs"] = ";".join(f"{r['step_s']:.4f}" for r in rs if r["step_s"] is not None)
+        row["step_durations_s"] = ";".join(r["step_durations_s"] for r in rs if r.get("step_durations_s"))
         out.append(row)
     return out
 
