@@ -230,20 +230,29 @@ PRESETS: dict[str, Profile] = {
             "copies at 300 GB/s assumed (an A10-class GPU: half of 600 GB/s GDDR6)"
         ),
     ),
-    # The one-machine testbed (docs/benchmarks.md): gloo over loopback (~3 GB/s) inside a node,
-    # one veth per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes.
+    # The one-machine testbed (docs/benchmarks.md): gloo over loopback inside a node, one veth
+    # per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes. The figures are
+    # what `python -m hiersync calibrate --rails 1 --full` fitted there (docs/costmodel.md,
+    # "Validation against measurement"): gloo's all-reduce reduces and copies on the CPU, so its
+    # intra-node link is ~1 GB/s, not the ~3 GB/s a raw loopback socket moves.
     "emulated": Profile(
-        intra=Link.from_bandwidth(30e-6, 3e9),
-        inter=Link.from_bandwidth(60e-6, 95e6),
+        intra=Link.from_bandwidth(743e-6, 986.5e6),
+        inter=Link.from_bandwidth(584e-6, 95e6),
         nodes=2,
         ranks_per_node=2,
         rails=1,
         backend="gloo",
+        intra_reduce_scatter=Link.from_bandwidth(1814e-6, 276.1e6),
+        intra_all_gather=Link.from_bandwidth(1110e-6, 466.7e6),
+        intra_broadcast=Link.from_bandwidth(681e-6, 2278e6),
         copy_gbps=1.4,
         name="emulated",
         source=(
-            "emulated testbed (docs/benchmarks.md): gloo loopback ~3 GB/s; tbf 800 Mbit/s ~95 MB/s; gloo ~tens of us; "
-            "copies at 1.4 GB/s measured (a 100 MB torch.cat took 71 ms on the loaded 2-core box, finding 3)"
+            "emulated testbed, calibrated (docs/costmodel.md, 'Validation against measurement'): gloo intra "
+            "all-reduce 743 us + 986.5 MB/s, reduce-scatter 276.1 MB/s, all-gather 466.7 MB/s and shard broadcast "
+            "2278 MB/s (effective); inter 584 us and 95 MB/s per NIC (the tbf 800 Mbit/s payload rate, measured "
+            "as raw TCP; the fit's 111.5 MB/s follows tbf's bursts at small sizes); copies at 1.4 GB/s measured "
+            "(a 100 MB torch.cat took 71 ms on the loaded 2-core box, finding 3)"
         ),
     ),
 }

@@ -336,11 +336,18 @@ def _after_step(
 ) -> tuple[float, float, float, float, float]:
     """(comm, exposed, peak exposed, peak bytes, mean bytes) per step of a period with the
     average after ``optimizer.step()``: :func:`.streaming.sync_stalls` over the window,
-    added to the local steps' ``comm`` and ``exposed``."""
+    added to the local steps' ``comm`` and ``exposed``. A transfer in flight hides behind
+    the whole local step, ``compute + exposed``: while a step waits for its intra-node
+    all-reduces the rail is as free as while it computes."""
     transfer = sync_time(fragment_bytes)
     counts = fragments_per_step(k, fragments)
     stalls = sync_stalls(
-        k, fragments, tau, transfer_s=transfer, compute_s=compute, copy_s=SYNC_COPIES * fragment_bytes * copy_beta
+        k,
+        fragments,
+        tau,
+        transfer_s=transfer,
+        compute_s=compute + exposed,
+        copy_s=SYNC_COPIES * fragment_bytes * copy_beta,
     )
     # sums in this order keep fragments=1 at today's "optimizer" figures bit for bit
     carrying = [c for c in counts if c]

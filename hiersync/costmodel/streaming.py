@@ -5,7 +5,7 @@ of about equal bytes; fragment ``f`` is averaged across nodes once in every wind
 steps, at offset ``ceil((f + 1) k / F) - 1`` (as :meth:`hiersync.schedule.Schedule.offset`
 staggers them), so a step carries ``ceil(F / k)`` fragments at most. The average is
 launched right after ``optimizer.step()`` and, with ``overlap=tau >= 1``, applied after
-the ``optimizer.step()`` tau steps later: the transfer hides behind tau steps of compute.
+the ``optimizer.step()`` tau steps later: the transfer hides behind tau whole steps.
 ``overlap=0`` blocks: the whole transfer is exposed on the step that launches it.
 
 This module prices one window of k steps in steady state (:func:`sync_stalls`): the
@@ -102,8 +102,9 @@ def sync_stalls(
 ) -> tuple[float, ...]:
     """Exposed sync time of each step of one window of ``period`` steps, in steady state.
 
-    ``transfer_s``: one fragment's cross-node average; ``compute_s``: one step's compute,
-    the only time a transfer hides behind; ``copy_s``: one fragment's launch copies
+    ``transfer_s``: one fragment's cross-node average; ``compute_s``: one step's time
+    without the sync (its compute and its exposed intra-node communication), the only time
+    a transfer hides behind; ``copy_s``: one fragment's launch copies
     (exposed). After step ``s``'s compute, the fragments launched on step ``s - overlap``
     are applied (the step waits for their transfers), then step ``s``'s fragments are
     copied and launched into one FIFO channel. ``overlap=0``: each fragment's copies and
