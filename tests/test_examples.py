@@ -89,3 +89,12 @@ def test_time_to_loss_reads_the_mean_curve_over_seeds():
     _, (_, x) = ttl.summarize(runs, 20)
     assert x["steps_to_target"] is None and x["per_seed_steps"] == [30, None]
     assert "not reached" in ttl.table([x], 20, 2.1, [0, 1])
+    assert x["interval_90"] is None  # two seeds: no interval
+    # three seeds alike: every resample gives the same crossing, so the interval is a point
+    runs = {"ddp": [runs["ddp"][0]] * 3, "x": [runs["x"][0]] * 3}
+    iv = ttl.ratio_interval(runs, "x", 20)
+    assert iv is not None and iv["steps"] == (1.5, 1.5) and iv["wall"] == (1.5, 1.5)  # step 30, 3.0 s vs 2.0 s
+    runs["x"] = [runs["x"][0], runs["x"][0], dict(runs["x"][0], evals=runs["x"][0]["evals"][:2])]
+    iv = ttl.ratio_interval(runs, "x", 20)  # a seed whose curve stops above the target: some draws never reach
+    assert iv is not None and iv["steps"][0] == 1.5 and iv["steps"][1] == math.inf
+    assert "(1.50-not reached)" in ttl.table([{**x, "interval_90": iv}], 20, 2.1, [0, 1, 2])
