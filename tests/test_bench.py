@@ -8,6 +8,8 @@ emulated cluster where namespaces are available, exercising torchrun and rendezv
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from dataclasses import asdict
 
@@ -460,8 +462,26 @@ def test_cost_model_beside_the_bench(tmp_path):
     assert all(t["compute"] == "accel" for t in targets)
     text = bench_model.format_model_targets(targets)
     assert "PASS  model's exposed sync of hiersync_p4 within 20%" in text
-    assert "FAIL  model's exposed sync of hiersync_p4_stream within 20%" in text and "(-33%)" in text
+    assert "FAIL  model's exposed sync of hiersync_p4_stream within 20%" in text and "(-33%;" in text
     assert "n/a   model's exposed sync of hiersync_p8_stream" in text
+    assert "the bench's noise is not known from one window per row" in text  # no per-step durations given
+    # with per-step durations: the standard error of the exposed time, from k-step window means
+    rows = _model_rows()
+    for r in rows:
+        if r["compute"] == "accel" and r["schedule"] in ("hiersync_p4_stream", "intra_only"):
+            base = r["step_s"]
+            wobble = 0.004 if r["schedule"] == "intra_only" else 0.003  # window means base +- wobble
+            r["step_durations_s"] = ";".join(
+                f"{base + (wobble if w % 2 else -wobble):.6f}" for w in range(4) for _ in range(4)
+            )
+    got = {(e["compute"], e["schedule"]): e for e in bench_model.compare(rows, get_preset("emulated"), nodes=2,
+                                                                          ranks_per_node=2)}  # fmt: skip
+    se = got["accel", "hiersync_p4_stream"]["measured_se_s"]
+    one = lambda w: math.sqrt(statistics.variance([-w, w, -w, w]) / 4)
+    assert se == pytest.approx(math.sqrt(one(0.003) ** 2 + one(0.004) ** 2), rel=1e-4)
+    assert got["cpu", "hiersync_p4_stream"]["measured_se_s"] is None
+    line = bench_model.format_model_targets(bench_model.model_targets(list(got.values())))
+    assert f"bench +-{2e3 * se:.0f} ms (2 SE)" in line
     table = bench_model.format_comparison(entries, "the emulated preset")
     assert "cpu rows: gloo's transfers take the 2 cores" in table and "hiersync_p4_overlap_bf16" in table
 

@@ -24,6 +24,8 @@ those rows, marked). Pure: no process group, no torch.distributed.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +69,18 @@ def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profi
         return cm.Profile.load(spec), f"the profile {spec}"
     except OSError as e:
         raise ValueError(f"--profile={spec!r}: not a preset ({', '.join(cm.PRESETS)}) nor a readable file: {e}") from e
+
+
+def _mean_se(row: dict, k: int) -> float | None:
+    """Standard error of a row's mean step, from the means of its k-step windows (None: < 2 windows).
+
+    Steps within a window differ by design (the k-th carries the sync, or one fragment each), so
+    the windows, not the steps, are the independent samples.
+    """
+    text = row.get("step_durations_s") or ""
+    steps = [float(x) for x in text.split(";") if x]
+    windows = [sum(steps[i : i + k]) / k for i in range(0, len(steps) - k + 1, k)]
+    return statistics.stdev(windows) / math.sqrt(len(windows)) if len(windows) >= 2 else None
 
 
 def _placement(row: dict) -> str | None:
@@ -118,6 +132,8 @@ def compare(rows: Sequence[dict], profile: cm.Profile, *, nodes: int, ranks_per_
             reference, measured = "intra_only", row["step_s"] - intra["step_s"]
         else:
             continue
+        k = row["period"] if row.get("period") and row["period"] > 1 else 1
+        se_row, se_ref = _mean_se(row, k), _mean_se(by[(model, bucket, compute, reference)], k)
         out.append(
             dict(
                 model=model,
@@ -129,6 +145,7 @@ def compare(rows: Sequence[dict], profile: cm.Profile, *, nodes: int, ranks_per_
                 predicted_s=predicted,
                 measured_s=measured,
                 error=(predicted - measured) / measured if measured > 0 else None,
+                measured_se_s=None if se_row is None or se_ref is None else math.hypot(se_row, se_ref),
                 step_s=row["step_s"],
             )
         )
@@ -142,14 +159,20 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     lines = [
         f"cost model vs bench (exposed ms per step; model: {source}, given each compute model's measured "
         "compute_only step and backward)",
-        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'error':>7s}",
+        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'+-2SE':>6s} "
+        f"{'error':>7s}",
     ]
     for e in entries:
         err = "-" if e["error"] is None else f"{e['error']:+.0%}"
+        noise = "-" if e.get("measured_se_s") is None else f"{2e3 * e['measured_se_s']:.0f}"
         lines.append(
             f"{e['schedule']:24s} {e['compute']:7s} {e['reference']:13s} {e['predicted_s'] * 1e3:9.0f} "
-            f"{e['measured_s'] * 1e3:9.0f} {err:>7s}"
+            f"{e['measured_s'] * 1e3:9.0f} {noise:>6s} {err:>7s}"
         )
+    lines.append(
+        "+-2SE: the bench's noise on its exposed ms, from the means of k-step windows of both rows ('-': fewer "
+        "than 2 windows; --steps 40 gives 10)"
+    )
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
             "cpu rows: gloo's transfers take the 2 cores that compute, which the model does not price (it assumes "
@@ -182,7 +205,15 @@ def format_model_targets(targets: Sequence[dict]) -> str:
                 f"n/a   {what}: bench measured {meas:.0f} ms (nothing exposed to compare), model {pred:.0f} ms"
             )
             continue
+        se = t.get("measured_se_s")
+        if se is None:
+            noise = "; the bench's noise is not known from one window per row (more --steps)"
+        elif 2 * se > t["tolerance"] * t["measured_s"]:
+            noise = f"; bench +-{2e3 * se:.0f} ms (2 SE): wider than the {t['tolerance']:.0%} band, more --steps"
+        else:
+            noise = f"; bench +-{2e3 * se:.0f} ms (2 SE)"
         lines.append(
-            f"{'PASS' if t['met'] else 'FAIL'}  {what}: model {pred:.0f} ms, bench {meas:.0f} ms ({t['error']:+.0%})"
+            f"{'PASS' if t['met'] else 'FAIL'}  {what}: model {pred:.0f} ms, bench {meas:.0f} ms "
+            f"({t['error']:+.0%}{noise})"
         )
     return "\n".join(lines)
