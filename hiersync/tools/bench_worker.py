@@ -427,7 +427,7 @@ def _run_one(
     attributed = [step(True) for _ in range(steps)]
     dist.barrier()
     slept0 = dict(SLEPT)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ends = []
     inter_steps: list[float] = []
     sent = state.stats.bytes_sent[Level.INTER.value] if state is not None else 0
@@ -441,6 +441,7 @@ def _run_one(
         elif modelled is not None:
             inter_steps.append(modelled())
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # this rank's CPU seconds, every thread (gloo's included)
     # accel: compute time per timed step as asked, and as the scheduler delivered it
     sleep_per_step = {k: (SLEPT[k] - slept0[k]) / steps for k in SLEPT} if compute == "accel" else None
     stats1 = state.stats.as_dict() if state is not None else None
@@ -468,6 +469,7 @@ def _run_one(
         **base,
         "attributed": attributed,
         "unsync_elapsed": elapsed,
+        "unsync_cpu_s": cpu,
         "accel_sleep_per_step": sleep_per_step,
         "unsync_step_ends": [e - t0 for e in ends],
         "bytes_sent_per_step": inter,

@@ -121,6 +121,7 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
             "step_p50_s",
             "step_p99_s",
             "step_std_s",
+            "cpu_s_per_step",
             "attributed_total_s",
             *(f"{p}_s" for p in PHASES),
             "inter_mb_sent_per_step",
@@ -159,6 +160,12 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
                 "step_p99_s": percentile(per_step, 99),
                 "step_std_s": statistics.pstdev(per_step) if len(per_step) > 1 else 0.0,
                 "step_durations_s": ";".join(f"{d:.4f}" for d in per_step),
+                # CPU seconds per timed step, mean over ranks (all threads: compute, gloo's transfers)
+                "cpu_s_per_step": (
+                    statistics.fmean(r["unsync_cpu_s"] for r in runs) / run0["steps"]
+                    if all("unsync_cpu_s" in r for r in runs)
+                    else None
+                ),
                 "attributed_total_s": attributed_total,
                 **{f"{p}_s": phases[p] for p in PHASES},
                 "inter_mb_sent_per_step": (
