@@ -721,9 +721,12 @@ def test_streaming_step_time_by_hand():
     blocking = cm.step_time("hiersync", period=4, fragments=2, overlap=0, **_a100())
     assert blocking.exposed_s == pytest.approx(local.exposed_s + 2 * _sync(prof, 7e9) / 4, rel=1e-12)
     assert blocking.exposed_peak_s == pytest.approx(local.exposed_s + _sync(prof, 7e9), rel=1e-12)
-    # launch copies at a given per-byte cost
+    # launch copies at a given per-byte cost: the snapshot and payload of this rank's 1/8 shard
     copies = cm.step_time("hiersync", period=4, fragments=4, overlap=1, copy_s_per_byte=1e-12, **_a100())
-    assert copies.exposed_s == pytest.approx(st.exposed_s + cm.SYNC_COPIES * 14e9 / 4 * 1e-12, rel=1e-9)
+    assert copies.exposed_s == pytest.approx(st.exposed_s + cm.SYNC_COPIES * 14e9 / 4 / 8 * 1e-12, rel=1e-9)
+    assert cm.launch_copy_bytes(14e9 / 4, 8, 1) == 2 * 14e9 / 4 / 8
+    # blocking: the shard's payload, then the gathered average written into the whole fragment
+    assert cm.launch_copy_bytes(14e9 / 4, 8, 0) == 14e9 / 4 / 8 + 14e9 / 4
 
 
 def test_inter_bytes_per_step():

@@ -155,7 +155,7 @@ def test_plan_recommends_fragments_and_overlap(a100_plan):
     assert (plan.period, plan.fragments, plan.overlap) == (8, 8, 1)
     assert plan.recommended.schedule == "hiersync k=8 F=8 tau=1"
     intra = next(r for r in plan.rows if r.period is None)
-    copies = cm.SYNC_COPIES * 14e9 / 8 / 1000e9  # the launch copies of one fragment at the preset's 1000 GB/s
+    copies = cm.launch_copy_bytes(14e9 / 8, 8, 1) / 1000e9  # one fragment's launch copies at the preset's 1000 GB/s
     assert plan.recommended.step_s == pytest.approx(intra.step_s + copies, rel=1e-3)
     whole = next(r for r in plan.rows if r.schedule == "hiersync k=8")
     assert plan.recommended.inter_bytes_peak == pytest.approx(whole.inter_bytes_peak / 8)
@@ -268,9 +268,10 @@ def test_launch_copies_priced_in_every_after_step_row():
     free = make_plan(cm.PRESETS["a100-1nic"], placement="overlap", copy_s_per_byte=0.0, **kw)
     whole = [(a, b) for a, b in zip(costly.rows, free.rows) if a.schedule == "hiersync k=4 overlap"]
     assert whole and all(a.step_s > b.step_s for a, b in whole)  # the whole-model overlap row pays them too
-    # the launch step exposes 2 copies of the model (F=1): 2 * 28 GB * 1e-10 s/B over k=4 steps
+    # the launch step exposes 2 copies (snapshot, payload) of this rank's 1/8 shard of the model (F=1):
+    # 2 * 28 GB / 8 * 1e-10 s/B over k=4 steps
     a, b = whole[0]
-    assert a.exposed_s - b.exposed_s == pytest.approx(2 * 28e9 * 1e-10 / 4, rel=0.05)
+    assert a.exposed_s - b.exposed_s == pytest.approx(2 * 28e9 / 8 * 1e-10 / 4, rel=0.05)
     assert "given (copies free)" in free.copy_source and "given (10 GB/s)" in costly.copy_source
 
 
@@ -285,8 +286,9 @@ def test_copy_speed_from_preset_or_assumed():
     assert "launch copies: assumed 1,000 GB/s" in format_plan(plan)
 
 
-def test_overlap_hides_only_tau_steps_of_compute():
-    # k=4 whole-model overlap on a100 x 16: the 28 GB sync takes ~2.3 s, one 0.45 s step hides part of it
+def test_overlap_hides_only_tau_local_steps():
+    # k=4 whole-model overlap on a100 x 16: the 28 GB sync takes ~2.3 s, one 0.45 s step (and its few ms of
+    # exposed intra-node all-reduce) hides part of it
     plan = make_plan(cm.PRESETS["a100-1nic"], placement="overlap", **A100, periods=[4], bucket_mb=[25])
     row = next(r for r in plan.rows if r.schedule == "hiersync k=4 overlap")
     intra = next(r for r in plan.rows if r.schedule == "intra-only")

@@ -61,6 +61,7 @@ from .streaming import (
     SYNC_COPIES,
     fragments_per_step,
     inter_bytes_per_rank,
+    launch_copy_bytes,
     sync_stalls,
 )
 
@@ -98,6 +99,7 @@ __all__ = [
     "INTRA_ALGORITHMS",
     "intra_algorithm_for_backend",
     "SYNC_COPIES",
+    "launch_copy_bytes",
     "DEFAULT_COPY_S_PER_BYTE",
     "fragments_per_step",
     "sync_stalls",

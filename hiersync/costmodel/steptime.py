@@ -29,10 +29,10 @@ from .hierarchy import (
 from .links import Link, allreduce_time, check_count, check_number
 from .streaming import (
     DEFAULT_COPY_S_PER_BYTE,
-    SYNC_COPIES,
     check_streaming,
     fragments_per_step,
     inter_bytes_per_rank,
+    launch_copy_bytes,
     sync_stalls,
 )
 
@@ -156,7 +156,7 @@ def step_time(
     tau = 0 or ``"overlap"``; ``"overlap"`` alone means tau = 1). ``fragments=1,
     overlap=0`` with ``placement="optimizer"`` is the blocking whole-model average,
     ``overlap=1`` the ``"overlap"`` placement. ``copy_s_per_byte``: cost of the
-    ``SYNC_COPIES`` copies of each fragment per launch, exposed (default 0: free).
+    launch copies of each fragment (:func:`.streaming.launch_copy_bytes`), exposed (default 0: free).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -347,7 +347,7 @@ def _after_step(
         tau,
         transfer_s=transfer,
         compute_s=compute + exposed,
-        copy_s=SYNC_COPIES * fragment_bytes * copy_beta,
+        copy_s=launch_copy_bytes(fragment_bytes, lpn, tau) * copy_beta,
     )
     # sums in this order keep fragments=1 at today's "optimizer" figures bit for bit
     carrying = [c for c in counts if c]

@@ -35,6 +35,7 @@ from .links import check_count, check_number
 __all__ = [
     "SYNC_COPIES",
     "DEFAULT_COPY_S_PER_BYTE",
+    "launch_copy_bytes",
     "check_streaming",
     "fragment_offset",
     "fragments_per_step",
@@ -43,15 +44,27 @@ __all__ = [
 ]
 
 SYNC_COPIES = 2
-"""Copies of a fragment's bytes per launch that the model charges when ``copy_s_per_byte > 0``:
-blocking, flattening the fragment into the payload and writing the average back; overlapped,
-the snapshot and the payload (``ParamAverager.launch``). The copies run on the compute
-stream, so they are exposed; applying a correction is not charged."""
+"""Copies of a rank's shard of a fragment per overlapped launch (the snapshot and the payload,
+``ShardedAverager.launch``); see :func:`launch_copy_bytes`."""
 DEFAULT_COPY_S_PER_BYTE = 0.0
 """Copies are free by default, which keeps the whole-model placements' numbers as they were.
 A device-to-device copy on an H100 (~3 TB/s of HBM, read + write) costs ~7e-13 s/B, one
 into pinned host memory ~4e-11 s/B (PCIe 5.0, ~25 GB/s), a CPU memcpy ~2e-10 s/B."""
 _WINDOWS = 64  # steady state is reached within a few windows unless the channel is just over capacity
+
+
+def launch_copy_bytes(fragment_bytes: float, ranks_per_node: int, overlap: int) -> float:
+    """Bytes a rank copies on the compute stream to launch one fragment's cross-node average.
+
+    The after-step state is sharded across the node (:mod:`hiersync.shards`): a rank flattens
+    only its 1/L shard. Overlapped (``overlap >= 1``), it keeps a snapshot of the shard and a
+    payload for the transfer (``SYNC_COPIES`` = 2 shard copies); blocking, one payload, and the
+    average is written back into the whole fragment's parameters once the node gathered it.
+    Applying an overlapped correction (an add) is not charged, nor the 16-bit cast of
+    ``compress``.
+    """
+    shard = check_number("fragment_bytes", fragment_bytes) / check_count("ranks_per_node", ranks_per_node)
+    return SYNC_COPIES * shard if overlap else shard + fragment_bytes
 
 
 def check_streaming(period: int, fragments: Any, overlap: Any) -> tuple[int, int]:
@@ -104,7 +117,7 @@ def sync_stalls(
 
     ``transfer_s``: one fragment's cross-node average; ``compute_s``: one step's time
     without the sync (its compute and its exposed intra-node communication), the only time
-    a transfer hides behind; ``copy_s``: one fragment's launch copies
+    a transfer hides behind; ``copy_s``: one fragment's launch copies (:func:`launch_copy_bytes`)
     (exposed). After step ``s``'s compute, the fragments launched on step ``s - overlap``
     are applied (the step waits for their transfers), then step ``s``'s fragments are
     copied and launched into one FIFO channel. ``overlap=0``: each fragment's copies and

@@ -199,6 +199,7 @@ def run_bench(
                 bar.close()
         wall = time.monotonic() - start
     rows = summarize(results)
+    probes = [r["copy_probe"] for r in results if r.get("copy_probe")]
     raw = {
         "format": "hiersync.bench/1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -209,6 +210,9 @@ def run_bench(
         "environment": {**_environment(), "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]},
         "ranks": results,
     }
+    if probes:  # the slowest rank's copy speed
+        slow = max(probes, key=lambda p: p["seconds"] / p["bytes"])
+        raw["copy_probe"] = {**slow, "gbps": slow["bytes"] / slow["seconds"] / 1e9}
     return rows, raw
 
 
@@ -403,7 +407,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     raw["command"] = command_line(args)
     profile, source = resolve_profile(args.profile, raw["testbed"])
-    entries = compare(rows, profile, nodes=args.nodes, ranks_per_node=args.procs_per_node) if profile else []
+    probe = raw.get("copy_probe")
+    copy_beta = probe["seconds"] / probe["bytes"] if probe else None
+    entries = (
+        compare(rows, profile, nodes=args.nodes, ranks_per_node=args.procs_per_node, copy_s_per_byte=copy_beta)
+        if profile
+        else []
+    )
+    if profile and probe:
+        source += (
+            f"; launch copies at {probe['gbps']:.2f} GB/s, measured in this run (a fresh copy of "
+            f"{probe['bytes'] / 2**20:.1f} MiB, every rank at once)"
+        )
     model_checks = model_targets(entries)
     raw["model"] = {"source": source, "entries": entries, "targets": model_checks}
     paths = write_outputs(args.results, raw, rows, plots=not args.no_plots)

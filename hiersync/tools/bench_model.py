@@ -3,8 +3,9 @@
 For each (model, bucket size, compute model) of a bench run that has a ``compute_only``
 row, the cost model (:func:`hiersync.costmodel.step_time`) is given what that row
 measured -- its step time as the compute per step, its backward phase as the backward
-time -- and the profile of the link (by default the ``emulated`` preset, when the bench
-ran on the default shaped 800 Mbit testbed). For the period-k rows it is also given the
+time -- the speed of a fresh copy as every rank measured it at the start of the run (the
+launch copies), and the profile of the link (by default the ``emulated`` preset, when the
+bench ran on the default shaped 800 Mbit testbed). For the period-k rows it is also given the
 measured local step (``intra_only``'s) as the time a transfer in flight hides behind: the
 model's own local step misses the CPU contention of this box (the ``intra_only`` row
 shows by how much), and what is validated there is the sync, not the local step. It then
@@ -89,9 +90,20 @@ def _placement(row: dict) -> str | None:
     return "overlap" if row["overlap"] else "optimizer"
 
 
-def compare(rows: Sequence[dict], profile: cm.Profile, *, nodes: int, ranks_per_node: int) -> list[dict]:
-    """One entry per predictable row: predicted and measured exposed seconds per step, and the error."""
-    copy_beta, _ = copy_speed(profile, None)
+def compare(
+    rows: Sequence[dict],
+    profile: cm.Profile,
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    copy_s_per_byte: float | None = None,
+) -> list[dict]:
+    """One entry per predictable row: predicted and measured exposed seconds per step, and the error.
+
+    ``copy_s_per_byte``: the launch copies' cost measured in the same run (the bench's copy
+    probe), like the compute; None: the profile's ``copy_gbps``.
+    """
+    copy_beta = copy_speed(profile, None)[0] if copy_s_per_byte is None else copy_s_per_byte
     by = {(r["model"], r["bucket_mb"], r.get("compute", "cpu"), r["schedule"]): r for r in rows}
     out: list[dict] = []
     for (model, bucket, compute, name), row in by.items():

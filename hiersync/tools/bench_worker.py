@@ -11,6 +11,7 @@ import gc
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -234,6 +235,8 @@ def worker(config: dict) -> dict:
     intra_group, _ = dist.new_subgroups_by_enumeration([list(n) for n in topo.nodes])
     progress = config.get("progress") if rank == 0 else None
     out: dict[str, Any] = {"rank": rank, "nodes": [list(n) for n in topo.nodes], "runs": []}
+    # a sync launch's copies: one shard of a bucket-sized fragment per rank
+    out["copy_probe"] = copy_probe(int(max(config["buckets_mb"]) * 2**20) // max(len(n) for n in topo.nodes))
     # Repeats go round the whole sweep, so a burst of load on a shared machine hits
     # one run of every schedule rather than every run of one schedule.
     for rep in range(int(config.get("repeat", 1))):
@@ -253,6 +256,28 @@ def worker(config: dict) -> dict:
                         gc.collect()
                         out["runs"][-1]["rss_mb_after"] = _rss_mb()
     return out
+
+
+def copy_probe(nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of a copy into a fresh tensor of ``nbytes``, every rank at once.
+
+    That is what a sync's launch does per rank (snapshot and payload of its shard): the cost
+    model charges these copies at a device's copy speed, and on a CPU host that speed
+    includes the page faults of fresh memory (a copy into reused memory is 5-7x faster here)
+    and whatever the other ranks take of the cores. Collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    src = torch.ones(max(1, nbytes // 4))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst = src.clone()
+        times.append(time.perf_counter() - t0)
+        del dst
+    return {"bytes": float(src.numel() * 4), "seconds": statistics.median(times)}
 
 
 def ring_inter_bytes(nbytes: float, node_of_rank: Sequence[int]) -> float:
