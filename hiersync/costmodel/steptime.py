@@ -347,7 +347,7 @@ def _after_step(
         tau,
         transfer_s=transfer,
         compute_s=compute + exposed,
-        copy_s=launch_copy_bytes(fragment_bytes, lpn, tau) * copy_beta,
+        copy_s=launch_copy_bytes(fragment_bytes, lpn, tau, ratio) * copy_beta,
     )
     # sums in this order keep fragments=1 at today's "optimizer" figures bit for bit
     carrying = [c for c in counts if c]

@@ -53,18 +53,21 @@ into pinned host memory ~4e-11 s/B (PCIe 5.0, ~25 GB/s), a CPU memcpy ~2e-10 s/B
 _WINDOWS = 64  # steady state is reached within a few windows unless the channel is just over capacity
 
 
-def launch_copy_bytes(fragment_bytes: float, ranks_per_node: int, overlap: int) -> float:
+def launch_copy_bytes(fragment_bytes: float, ranks_per_node: int, overlap: int, compress_ratio: float = 1.0) -> float:
     """Bytes a rank copies on the compute stream to launch one fragment's cross-node average.
 
     The after-step state is sharded across the node (:mod:`hiersync.shards`): a rank flattens
     only its 1/L shard. Overlapped (``overlap >= 1``), it keeps a snapshot of the shard and a
     payload for the transfer (``SYNC_COPIES`` = 2 shard copies); blocking, one payload, and the
     average is written back into the whole fragment's parameters once the node gathered it.
-    Applying an overlapped correction (an add) is not charged, nor the 16-bit cast of
-    ``compress``.
+    With ``compress`` (``compress_ratio`` < 1) the payload is the delta from the anchor (one
+    shard, in place when blocking) cast to 16 bits (``compress_ratio`` of a shard more).
+    Applying an overlapped correction (an add) is not charged.
     """
     shard = check_number("fragment_bytes", fragment_bytes) / check_count("ranks_per_node", ranks_per_node)
-    return SYNC_COPIES * shard if overlap else shard + fragment_bytes
+    ratio = check_number("compress_ratio", compress_ratio, strict=True)
+    cast = ratio * shard if ratio < 1 else 0.0
+    return SYNC_COPIES * shard + cast if overlap else shard + cast + fragment_bytes
 
 
 def check_streaming(period: int, fragments: Any, overlap: Any) -> tuple[int, int]:
