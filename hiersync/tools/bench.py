@@ -29,8 +29,9 @@ ratio compares rows of one compute model:
 
 Each (model, compute model, schedule, bucket size) runs ``warmup`` steps, then ``steps`` *attributed*
 steps with a barrier between phases -- data, forward, backward, communication wait,
-optimizer -- and then ``steps`` *unsynchronized* steps whose wall time is the step time the
-ratios use (overlap only shows there). ``steps`` is rounded up to a multiple of ``k``.
+optimizer -- then one untimed free-running step, and then
+``steps`` *unsynchronized* steps whose wall time is the step time the ratios use (overlap
+only shows there). ``steps`` is rounded up to a multiple of ``k``.
 *Communication wait* is the exposed part: the time ``backward()`` keeps running after the
 slowest rank's last gradient was accumulated, plus the time spent after the optimizer's own
 update (hiersync's post-step sync, the model averager). Per row the table gives the mean
@@ -172,7 +173,7 @@ def run_bench(
     computes = config.get("compute", ["cpu"])
     pairs = sum(1 for m in config["models"] for c in computes if c == "cpu" or m == "mlp")
     total = (
-        sum(int(config["warmup"]) + 2 * timed_steps(s, int(config["steps"])) for s in specs)
+        sum(int(config["warmup"]) + 2 * timed_steps(s, int(config["steps"])) + 1 for s in specs)
         * pairs
         * len(config["buckets_mb"])
         * int(config.get("repeat", 1))

@@ -335,6 +335,7 @@ def _run_one(
     rank = dist.get_rank()
     warmup = int(config["warmup"])
     steps = timed_steps(spec, int(config["steps"]))
+    burn = 1  # an untimed free-running step before the clock starts
     model, data_fn, loss_fn = _fresh_model(model_name, config, compute)
     num_params = sum(p.numel() for p in model.parameters())
     node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
@@ -398,12 +399,12 @@ def _run_one(
             probe.remove()
             if progress:  # the steps this run would have taken, so the progress bar still ends full
                 with open(progress, "a") as f:
-                    f.write(f"{model_name} {compute} {spec.name}\tskipped\n" * (warmup + 2 * steps))
+                    f.write(f"{model_name} {compute} {spec.name}\tskipped\n" * (warmup + 2 * steps + burn))
             return {**base, "unsupported": f"not supported by this hiersync version ({e})"}
     gen = torch.Generator().manual_seed(int(config["seed"]) * 1000 + rank)
     label = f"{model_name} {compute} {spec.name} {bucket_mb:g}MB"
     done = [0]
-    total_steps = warmup + 2 * steps
+    total_steps = warmup + 2 * steps + burn
 
     def tick() -> None:
         done[0] += 1
@@ -450,6 +451,12 @@ def _run_one(
         step(False)
     stats0 = state.stats.as_dict() if state is not None else None
     attributed = [step(True) for _ in range(steps)]
+    # The first free-running step after the barriered ones was 40-130 ms slower than the rest in
+    # every row of 40-step runs (the ranks leave the barrier together and contend): burn it.
+    burn0 = state.stats.as_dict() if state is not None else None
+    for _ in range(burn):
+        step(False)
+    burn1 = state.stats.as_dict() if state is not None else None
     dist.barrier()
     slept0 = dict(SLEPT)
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -475,9 +482,11 @@ def _run_one(
     dist.barrier()
     probe.remove()
     inter = None
-    if stats0 is not None and stats1 is not None:
+    if stats0 is not None and stats1 is not None and burn0 is not None and burn1 is not None:
+        # over the attributed and the timed steps (2 x a multiple of k), the burnt step left out
+        at = lambda d, lvl: d["bytes_sent"][lvl]
         inter = {
-            lvl: (stats1["bytes_sent"][lvl] - stats0["bytes_sent"][lvl]) / (2 * steps)
+            lvl: (at(stats1, lvl) - at(burn1, lvl) + at(burn0, lvl) - at(stats0, lvl)) / (2 * steps)
             for lvl in (Level.INTRA, Level.INTER)
         }
     if state is not None:
