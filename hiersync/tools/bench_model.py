@@ -46,6 +46,8 @@ __all__ = [
 
 EXPOSED_TOLERANCE = 0.20
 """Issue 13: predicted exposed sync time within 20% of the bench's."""
+MIN_WINDOWS = 4
+"""k-step windows a row needs for the bench's noise to be stated (the default run has 1-2)."""
 MiB = 2**20
 
 
@@ -73,7 +75,8 @@ def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profi
 
 
 def _mean_se(row: dict, k: int) -> float | None:
-    """Standard error of a row's mean step, from the means of its k-step windows (None: < 2 windows).
+    """Standard error of a row's mean step, from the means of its k-step windows (None: fewer than
+    ``MIN_WINDOWS``, too few for a standard deviation worth printing).
 
     Steps within a window differ by design (the k-th carries the sync, or one fragment each), so
     the windows, not the steps, are the independent samples.
@@ -81,7 +84,7 @@ def _mean_se(row: dict, k: int) -> float | None:
     text = row.get("step_durations_s") or ""
     steps = [float(x) for x in text.split(";") if x]
     windows = [sum(steps[i : i + k]) / k for i in range(0, len(steps) - k + 1, k)]
-    return statistics.stdev(windows) / math.sqrt(len(windows)) if len(windows) >= 2 else None
+    return statistics.stdev(windows) / math.sqrt(len(windows)) if len(windows) >= MIN_WINDOWS else None
 
 
 def _placement(row: dict) -> str | None:
@@ -183,7 +186,7 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
         )
     lines.append(
         "+-2SE: the bench's noise on its exposed ms, from the means of k-step windows of both rows ('-': fewer "
-        "than 2 windows; --steps 40 gives 10)"
+        f"than {MIN_WINDOWS} windows; --steps 40 gives 10)"
     )
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
@@ -219,7 +222,7 @@ def format_model_targets(targets: Sequence[dict]) -> str:
             continue
         se = t.get("measured_se_s")
         if se is None:
-            noise = "; the bench's noise is not known from one window per row (more --steps)"
+            noise = f"; the bench's noise is not known from fewer than {MIN_WINDOWS} windows per row (more --steps)"
         elif 2 * se > t["tolerance"] * t["measured_s"]:
             noise = f"; bench +-{2e3 * se:.0f} ms (2 SE): wider than the {t['tolerance']:.0%} band, more --steps"
         else:
