@@ -17,7 +17,10 @@ Every ``--eval-every`` steps the ranks stop the clock, evaluate the validation l
 world-mean parameters (computed aside: the trajectory is not touched) and start it again;
 the final value is measured after ``state.synchronize`` (post-local SGD: a parameter
 all-reduce), included in the wall-clock. DDP runs ``--steps`` steps; the other schedules
-run ``--max-steps-factor`` x as many (the lr held at its floor after ``--steps``).
+run ``--max-steps-factor`` x as many (the lr held at its floor after ``--steps``), or, with
+``--budget B``, an lr schedule sized to B x ``--steps`` that ends there, as a run planned for
+a step budget would: the report then compares each schedule's final loss with DDP's, seed
+by seed, with a 90% bootstrap interval over seeds.
 
 **Seeds.** One seed's trajectory decides "steps to DDP's loss" by noise: on this model two
 schedules that differ only in the step on which they average end 0.04 apart in val loss,
@@ -184,13 +187,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- driver
-def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int) -> dict:
+def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int, schedule_steps: int | None = None) -> dict:
+    """One testbed run of ``schedule``; its lr schedule spans ``schedule_steps`` (default ``--steps``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "hiersync", "testbed", "--nodes", "2", "--procs-per-node", "2"]
         cmd += ["--inter-rate", a.inter_rate, "--timeout", str(a.timeout), "--log-dir", tmp]
         cmd += ["--", str(Path(__file__).resolve()), "--worker", "--schedule", schedule, "--out", str(out)]
-        cmd += ["--steps", str(a.steps), "--max-steps", str(max_steps), "--eval-every", str(a.eval_every)]
+        cmd += ["--steps", str(schedule_steps or a.steps), "--max-steps", str(max_steps)]
+        cmd += ["--eval-every", str(a.eval_every)]
         cmd += ["--seed", str(seed), *a.lm_args]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -283,6 +288,15 @@ def ratio_interval(
 
     lo, hi = (1 - level) / 2, (1 + level) / 2
     return {k: (quantile(v, lo), quantile(v, hi)) for k, v in got.items()}
+
+
+def final_gap(runs: dict[str, list[dict]], name: str, level: float = 0.9, draws: int = 2000) -> dict[str, float]:
+    """``name``'s final val loss minus DDP's, seed by seed: the mean and a bootstrap interval over seeds."""
+    gaps = [r["final_val_loss"] - d["final_val_loss"] for r, d in zip(runs[name], runs["ddp"])]
+    rng = random.Random(0)
+    means = sorted(sum(rng.choice(gaps) for _ in gaps) / len(gaps) for _ in range(draws))
+    lo, hi = means[int((1 - level) / 2 * draws)], means[min(draws - 1, int((1 + level) / 2 * draws))]
+    return {"mean": sum(gaps) / len(gaps), "lo": lo, "hi": hi}
 
 
 def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict]]:
@@ -390,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300, help="DDP's steps (the others: at least this many)")
     p.add_argument("--max-steps-factor", type=float, default=1.25, help="the others run this x steps")
     p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="instead: the others train an lr schedule sized to BUDGET x --steps and stop there, and the "
+        "report compares their final loss with DDP's (how a run is planned: a step budget, the schedule fit to it)",
+    )
+    p.add_argument(
         "--seeds",
         type=lambda v: [int(x) for x in v.split(",")],
         default=[0, 1, 2],
@@ -435,12 +456,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    max_steps = int(a.steps * a.max_steps_factor)
-    print(f"training, seeds {a.seeds}: DDP {a.steps} steps, the others {max_steps}:", flush=True)
+    if a.budget is not None and not a.budget >= 1:
+        p.error(f"--budget={a.budget} must be >= 1 (a multiple of DDP's --steps)")
+    max_steps = int(round(a.steps * a.budget)) if a.budget else int(a.steps * a.max_steps_factor)
+    sized = max_steps if a.budget else a.steps  # the others' lr schedule
+    how = "with their lr schedule sized to that budget" if a.budget else "the lr held at its floor after --steps"
+    print(f"training, seeds {a.seeds}: DDP {a.steps} steps, the others {max_steps} ({how}):", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in ["ddp", *(n for n in a.schedules if n != "ddp")]}
     for seed in a.seeds:
         for name in runs:
-            runs[name].append(_launch(a, name, a.steps if name == "ddp" else max_steps, seed))
+            ddp = name == "ddp"
+            runs[name].append(_launch(a, name, a.steps if ddp else max_steps, seed, a.steps if ddp else sized))
     target, rows = summarize(runs, a.steps)
     md = table(rows, a.steps, target, a.seeds)
     ddp_wall = rows[0]["wall_to_target"]
@@ -456,6 +482,22 @@ def main(argv: list[str] | None = None) -> int:
                     "met throughout)" if sure else "not met throughout)"
                 )
             print(f"goal (<= 0.4x DDP's wall-clock at <= 1.1x its steps), {row['schedule']}: {verdict}")
+    if a.budget:
+        ddp_final = sum(r["final_val_loss"] for r in runs["ddp"]) / len(runs["ddp"])
+        print(f"\nwith a {a.budget:g}x step budget ({max_steps} steps, the lr schedule sized to it):")
+        for row in rows[1:]:
+            rs = runs[row["schedule"]]
+            gap = row["budget_gap"] = final_gap(runs, row["schedule"])
+            wall = sum(r["wall_s"] for r in rs) / len(rs) / ddp_wall
+            row["budget_wall_x_ddp"] = wall
+            reached = gap["mean"] <= 0
+            met = reached and a.budget <= 1.1 and wall <= 0.4
+            print(
+                f"  {row['schedule']}: final val loss {row['final_val_loss']:.4f} vs DDP's {ddp_final:.4f} "
+                f"({gap['mean']:+.4f}, 90% interval over seeds {gap['lo']:+.4f}..{gap['hi']:+.4f}), "
+                f"wall-clock {wall:.2f}x DDP's: goal {'met' if met else 'NOT met'} on the mean"
+                + ("; the interval spans 0: the seeds do not decide it" if gap["lo"] < 0 < gap["hi"] else "")
+            )
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -471,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             dict(
                 command=command.strip(),
                 inter_rate=a.inter_rate,
+                budget=a.budget,
                 link=runs["ddp"][0]["link"],
                 seeds=a.seeds,
                 plan=plan,

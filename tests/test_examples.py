@@ -98,3 +98,9 @@ def test_time_to_loss_reads_the_mean_curve_over_seeds():
     iv = ttl.ratio_interval(runs, "x", 20)  # a seed whose curve stops above the target: some draws never reach
     assert iv is not None and iv["steps"][0] == 1.5 and iv["steps"][1] == math.inf
     assert "(1.50-not reached)" in ttl.table([{**x, "interval_90": iv}], 20, 2.1, [0, 1, 2])
+    # --budget: final loss minus DDP's, seed by seed (2.0 - 2.0, 2.0 - 2.0, 2.0 - 2.0 here)
+    gap = ttl.final_gap(runs, "x")
+    assert gap == {"mean": 0.0, "lo": 0.0, "hi": 0.0}
+    runs["x"] = [dict(r, final_val_loss=2.0 + d) for r, d in zip(runs["x"], (0.3, -0.1, 0.1))]
+    gap = ttl.final_gap(runs, "x")
+    assert gap["mean"] == pytest.approx(0.1) and -0.1 <= gap["lo"] < 0.1 < gap["hi"] <= 0.3
