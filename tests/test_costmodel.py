@@ -727,9 +727,11 @@ def test_streaming_step_time_by_hand():
     assert cm.launch_copy_bytes(14e9 / 4, 8, 1) == 2 * 14e9 / 4 / 8
     # blocking: the shard's payload, then the gathered average written into the whole fragment
     assert cm.launch_copy_bytes(14e9 / 4, 8, 0) == 14e9 / 4 / 8 + 14e9 / 4
-    # bf16 deltas: the delta (a shard; in place when blocking) and its 16-bit cast (half a shard)
+    # bf16 deltas: the delta (a shard; in place when blocking) and its 16-bit cast (half a shard);
+    # the average back in fp32 (a shard) on the step when blocking, or overlapped on one-rank nodes
     assert cm.launch_copy_bytes(800.0, 8, 1, 0.5) == 2 * 100 + 50
-    assert cm.launch_copy_bytes(800.0, 8, 0, 0.5) == 100 + 50 + 800
+    assert cm.launch_copy_bytes(800.0, 8, 0, 0.5) == 100 + 50 + 800 + 100
+    assert cm.launch_copy_bytes(800.0, 1, 1, 0.5) == 2 * 800 + 400 + 800
 
 
 def test_inter_bytes_per_step():

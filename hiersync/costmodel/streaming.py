@@ -61,13 +61,18 @@ def launch_copy_bytes(fragment_bytes: float, ranks_per_node: int, overlap: int, 
     payload for the transfer (``SYNC_COPIES`` = 2 shard copies); blocking, one payload, and the
     average is written back into the whole fragment's parameters once the node gathered it.
     With ``compress`` (``compress_ratio`` < 1) the payload is the delta from the anchor (one
-    shard, in place when blocking) cast to 16 bits (``compress_ratio`` of a shard more).
-    Applying an overlapped correction (an add) is not charged.
+    shard, in place when blocking) cast to 16 bits (``compress_ratio`` of a shard more), and
+    the averaged delta comes back as a new fp32 shard: on the compute stream when blocking, or
+    when applying an overlapped correction on a node of one rank (with L > 1 that maths runs
+    at the end of the rail leg, off the step: :meth:`hiersync.shards.ShardedAverager.gather_correction`);
+    it is counted here, with the launch. Applying an overlapped correction (an add) is not charged.
     """
-    shard = check_number("fragment_bytes", fragment_bytes) / check_count("ranks_per_node", ranks_per_node)
+    lpn = check_count("ranks_per_node", ranks_per_node)
+    shard = check_number("fragment_bytes", fragment_bytes) / lpn
     ratio = check_number("compress_ratio", compress_ratio, strict=True)
     cast = ratio * shard if ratio < 1 else 0.0
-    return SYNC_COPIES * shard + cast if overlap else shard + cast + fragment_bytes
+    back = shard if ratio < 1 and (not overlap or lpn == 1) else 0.0
+    return (SYNC_COPIES * shard if overlap else shard + fragment_bytes) + cast + back
 
 
 def check_streaming(period: int, fragments: Any, overlap: Any) -> tuple[int, int]:
