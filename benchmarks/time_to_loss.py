@@ -282,20 +282,21 @@ def ratio_interval(
         got["steps"].append(hit["step"] / steps if hit else math.inf)
         got["wall"].append(hit["wall_s"] / (sum(ddp[i]["wall_s"] for i in idx) / n) if hit else math.inf)
 
-    def quantile(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return {k: _interval(v, level) for k, v in got.items()}
 
-    lo, hi = (1 - level) / 2, (1 + level) / 2
-    return {k: (quantile(v, lo), quantile(v, hi)) for k, v in got.items()}
+
+def _interval(draws: list[float], level: float) -> tuple[float, float]:
+    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of bootstrap draws."""
+    xs = sorted(draws)
+    at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
+    return at((1 - level) / 2), at((1 + level) / 2)
 
 
 def final_gap(runs: dict[str, list[dict]], name: str, level: float = 0.9, draws: int = 2000) -> dict[str, float]:
     """``name``'s final val loss minus DDP's, seed by seed: the mean and a bootstrap interval over seeds."""
     gaps = [r["final_val_loss"] - d["final_val_loss"] for r, d in zip(runs[name], runs["ddp"])]
     rng = random.Random(0)
-    means = sorted(sum(rng.choice(gaps) for _ in gaps) / len(gaps) for _ in range(draws))
-    lo, hi = means[int((1 - level) / 2 * draws)], means[min(draws - 1, int((1 + level) / 2 * draws))]
+    lo, hi = _interval([sum(rng.choice(gaps) for _ in gaps) / len(gaps) for _ in range(draws)], level)
     return {"mean": sum(gaps) / len(gaps), "lo": lo, "hi": hi}
 
 
