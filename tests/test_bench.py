@@ -17,7 +17,7 @@ import pytest
 from harness import world1  # noqa: F401  (fixture)
 
 from hiersync import cli
-from hiersync.tools import bench, bench_worker, collbench, report, testbed
+from hiersync.tools import bench, bench_spec, bench_worker, collbench, report, testbed
 from hiersync.vocab import parse_count
 
 
@@ -31,6 +31,8 @@ def test_schedule_names():
             bench.parse_schedule(bad)
     assert bench.timed_steps(bench.parse_schedule("hiersync_p4"), 3) == 4
     assert bench.timed_steps(bench.parse_schedule("ddp"), 3) == 3
+    # the progress bar's count per run: warmup + attributed + the burnt step + timed
+    assert bench_spec.run_steps(bench.parse_schedule("hiersync_p4"), 1, 3) == 1 + 2 * 4 + bench_spec.BURN_STEPS
     full = bench.full_schedules()
     assert {"ddp", "postlocal_k2", "postlocal_k8", "bf16_hook", "hiersync_p1", "hiersync_p8_overlap_bf16"} <= set(full)
     assert {"hiersync_p2_stream", "hiersync_p8_stream_bf16"} <= set(full)

@@ -81,6 +81,7 @@ from .bench_spec import (
     full_schedules,
     parse_compute,
     parse_schedule,
+    run_steps,
     timed_steps,
 )
 from .netns import DEFAULT_RATE
@@ -173,7 +174,7 @@ def run_bench(
     computes = config.get("compute", ["cpu"])
     pairs = sum(1 for m in config["models"] for c in computes if c == "cpu" or m == "mlp")
     total = (
-        sum(int(config["warmup"]) + 2 * timed_steps(s, int(config["steps"])) + 1 for s in specs)
+        sum(run_steps(s, int(config["warmup"]), int(config["steps"])) for s in specs)
         * pairs
         * len(config["buckets_mb"])
         * int(config.get("repeat", 1))

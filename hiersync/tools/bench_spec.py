@@ -29,6 +29,8 @@ __all__ = [
     "default_schedules",
     "full_schedules",
     "timed_steps",
+    "run_steps",
+    "BURN_STEPS",
     "parse_compute",
     "NEVER",
     "FULL_PERIODS",
@@ -154,3 +156,12 @@ def timed_steps(spec: ScheduleSpec, steps: int) -> int:
     """``steps`` rounded up to a multiple of the period, so every window holds the same syncs."""
     k = spec.period if spec.kind in ("hiersync", "postlocal") and spec.period < NEVER else 1
     return max(k, int(math.ceil(steps / k)) * k)
+
+
+BURN_STEPS = 1
+"""Untimed free-running steps between the attributed and the timed ones (bench_worker)."""
+
+
+def run_steps(spec: ScheduleSpec, warmup: int, steps: int) -> int:
+    """Every step one bench run of ``spec`` takes: warmup, attributed, burnt and timed steps."""
+    return warmup + 2 * timed_steps(spec, steps) + BURN_STEPS

@@ -19,7 +19,7 @@ from typing import Any
 
 from hiersync.vocab import Level
 
-from .bench_spec import ScheduleSpec, parse_schedule, timed_steps
+from .bench_spec import BURN_STEPS, ScheduleSpec, parse_schedule, run_steps, timed_steps
 
 __all__ = ["worker"]
 
@@ -263,7 +263,7 @@ def copy_probe(nbytes: int, repeats: int = 5) -> dict[str, float]:
 
     That is what a sync's launch does per rank (snapshot and payload of its shard): the cost
     model charges these copies at a device's copy speed, and on a CPU host that speed
-    includes the page faults of fresh memory (a copy into reused memory is 5-7x faster here)
+    includes the page faults of fresh memory (a copy into reused memory was ~5x faster here)
     and whatever the other ranks take of the cores. Collective.
     """
     import torch
@@ -335,7 +335,7 @@ def _run_one(
     rank = dist.get_rank()
     warmup = int(config["warmup"])
     steps = timed_steps(spec, int(config["steps"]))
-    burn = 1  # an untimed free-running step before the clock starts
+    total_steps = run_steps(spec, warmup, int(config["steps"]))
     model, data_fn, loss_fn = _fresh_model(model_name, config, compute)
     num_params = sum(p.numel() for p in model.parameters())
     node_of = {r: i for i, ranks in enumerate(nodes) for r in ranks}
@@ -399,12 +399,11 @@ def _run_one(
             probe.remove()
             if progress:  # the steps this run would have taken, so the progress bar still ends full
                 with open(progress, "a") as f:
-                    f.write(f"{model_name} {compute} {spec.name}\tskipped\n" * (warmup + 2 * steps + burn))
+                    f.write(f"{model_name} {compute} {spec.name}\tskipped\n" * total_steps)
             return {**base, "unsupported": f"not supported by this hiersync version ({e})"}
     gen = torch.Generator().manual_seed(int(config["seed"]) * 1000 + rank)
     label = f"{model_name} {compute} {spec.name} {bucket_mb:g}MB"
     done = [0]
-    total_steps = warmup + 2 * steps + burn
 
     def tick() -> None:
         done[0] += 1
@@ -454,7 +453,7 @@ def _run_one(
     # The first free-running step after the barriered ones was 40-130 ms slower than the rest in
     # every row of 40-step runs (the ranks leave the barrier together and contend): burn it.
     burn0 = state.stats.as_dict() if state is not None else None
-    for _ in range(burn):
+    for _ in range(BURN_STEPS):
         step(False)
     burn1 = state.stats.as_dict() if state is not None else None
     dist.barrier()
