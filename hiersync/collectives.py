@@ -37,7 +37,6 @@ import torch.distributed as dist
 from . import emulation
 from .futures import (
     Future,
-    HierSyncError,
     after,
     completed,
     forward,
@@ -55,7 +54,7 @@ from .vocab import INTRA_ALGORITHMS, Level, default_intra_algorithm
 
 INTRA, INTER = Level.INTRA, Level.INTER
 
-__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait", "INTRA_ALGORITHMS"]
+__all__ = ["HierComm", "Sequencer"]
 
 
 class Sequencer:
@@ -418,7 +417,7 @@ class HierComm:
         """Average this rank's shard of a node-sharded vector across nodes, on its rail.
 
         The first half of :meth:`average_across_nodes` for callers that keep per-shard
-        state (:mod:`hiersync.shards`): ``shard`` is divided by the number of nodes and
+        state (:mod:`hiersync.averagers`): ``shard`` is divided by the number of nodes and
         all-reduced in place; the future holds it. Even nodes only.
         """
         N = self.topology.num_nodes

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schedule import Schedule
-from .vocab import COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB, Placement
+from .vocab import COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
@@ -121,14 +121,3 @@ class HierConfig:
     @property
     def chunk_bytes(self) -> int:
         return int(self.chunk_mb * MiB)
-
-    @property
-    def needs_anchor(self) -> bool:
-        """Whether the averager keeps an fp32 anchor (delta compression or an outer step)."""
-        return self.compress is not None or self.outer_lr is not None
-
-    def placement(self, attached: bool) -> Placement:
-        """Where the period-k parameter average runs, given whether an optimizer is attached."""
-        if not attached:
-            return Placement.HOOK
-        return Placement.OVERLAP if self.overlap else Placement.OPTIMIZER

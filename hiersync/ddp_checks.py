@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .topology import Topology
 
 if TYPE_CHECKING:
-    from .ddp import HierState
+    from .frontend import SyncState
 
 __all__ = [
     "check_constructible",
@@ -50,7 +50,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def check_attachable(state: HierState, optimizer: Any) -> None:
+def check_attachable(state: SyncState, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if state._optimizer is not None:
@@ -59,7 +59,7 @@ def check_attachable(state: HierState, optimizer: Any) -> None:
         check_optimizer_owns(optimizer, state._model.parameters())
 
 
-def check_usable(state: HierState) -> None:
+def check_usable(state: SyncState) -> None:
     if state._closed:
         raise RuntimeError("this HierState was closed; build a new one and register the hook again")
     if not dist.is_initialized() or dist.group.WORLD is not state._world_group:
