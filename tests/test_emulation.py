@@ -140,7 +140,7 @@ FSDP_OVERLAP = ("fsdp_ranks.fsdp_check", dict(reference="ddp", period=2, tau=1, 
 # collective's result in hiersync.
 SITES = {
     "release_reads_buckets_unwaited": ("hiersync.ddp", "_release", PARITY),  # _finish_step
-    "later_leg_launched_unwaited": ("hiersync.collectives", "go", PARITY),  # Sequencer
+    "later_leg_launched_unwaited": ("hiersync.issuing", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
     # In pure-hook mode the step's join waits on the average before complete() reads it;
     # after optimizer.step() (attached) _complete() is the only reader. (With overlap it runs

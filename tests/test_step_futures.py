@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync import HierState
-from hiersync.collectives import Sequencer
 from hiersync.futures import HierSyncError, completed, failed, wait, when_all
+from hiersync.issuing import Sequencer
 from hiersync.stats import Stats
 
 CPU = torch.device("cpu")
