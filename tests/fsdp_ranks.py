@@ -226,3 +226,60 @@ def fsdp_bad_setup(case: str) -> str:
     except (ValueError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def fsdp_scaler_overflow(inject: list[int], steps: int) -> dict:
+    """torch's ShardedGradScaler over FSDP2 with hiersync (blocking, period 2): an overflow on
+    one rank at ``inject`` steps makes every rank skip optimizer.step() (the scaler agrees over
+    the world); the skipped sync step's average still runs, before the next forward."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = _shard(Blocks(), hiersync.node_mesh())
+    opt = _optimizer(model.parameters())
+    state = hiersync.register(model, opt, period=2)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10)
+    scales, identical_after_sync = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step in inject and dist.get_rank() == 0:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        if state.schedule.kind(step) == "sync" and step not in inject:
+            mine = _full(model)
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+            identical_after_sync.append(all(torch.equal(e, mine) for e in everyone))
+    state.drain()
+    return {
+        "scales": scales,
+        "identical_after_sync": identical_after_sync,
+        "finite": bool(torch.isfinite(_full(model)).all()),
+        "stats": state.stats.as_dict(),
+    }
+
+
+def fsdp_nonfinite(policy: str) -> dict:
+    """A NaN gradient on one rank (no scaler): the node skips the update on every one of its
+    ranks (one verdict per node, its ranks hold different shards), or raises."""
+    torch.manual_seed(0)
+    model = _shard(Blocks(), hiersync.node_mesh())
+    opt = _optimizer(model.parameters())
+    state = hiersync.register(model, opt, period=2, nonfinite=policy)
+    before = _full(model)
+    x, y = batch(0)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if dist.get_rank() == 0:
+        loss = loss * float("nan")
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return {"raised": str(e)}
+    opt.step()
+    opt.zero_grad()
+    return {"unchanged": torch.equal(_full(model), before), "skips": state.stats.nonfinite_skips}

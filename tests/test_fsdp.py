@@ -83,3 +83,28 @@ def test_bad_setups_name_the_fix(case, nccl_mode):
     topology, kind, text = BAD[case]
     for msg in launch(fsdp_ranks.fsdp_bad_setup, TOPOLOGIES[topology], case):
         assert msg.startswith(kind) and text in msg, msg
+
+
+def test_sharded_grad_scaler_overflow_skips_everywhere_and_keeps_syncing(nccl_mode):
+    if nccl_mode == "emulated_nccl":
+        pytest.skip("the same collectives as the tests above")
+    inject, steps = [1, 4], 7  # step 1 is a sync step: its average launches before step 2's forward
+    for r in launch(fsdp_ranks.fsdp_scaler_overflow, TOPOLOGIES["2x2"], inject, steps):
+        assert r["finite"]
+        assert r["scales"][1] == r["scales"][0] / 2 and r["scales"][4] == r["scales"][3] / 2, r["scales"]
+        assert r["identical_after_sync"] and all(r["identical_after_sync"]), r["identical_after_sync"]
+        assert r["stats"]["sync_steps"] == 3  # steps 1, 3, 5
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_gradient_is_judged_per_node(policy, nccl_mode):
+    if nccl_mode == "emulated_nccl":
+        pytest.skip("the same collectives as the tests above")
+    res = launch(fsdp_ranks.fsdp_nonfinite, TOPOLOGIES["2x2"], policy)
+    for rank, r in enumerate(res):
+        if rank in (0, 1) and policy == "raise":  # node 0: rank 0's NaN reached every shard of its node
+            assert "non-finite gradient" in r["raised"], r
+        elif rank in (0, 1):
+            assert r["unchanged"] and r["skips"] == 1, r
+        else:  # node 1 saw finite gradients: it steps
+            assert not r["unchanged"] and r["skips"] == 0, r
