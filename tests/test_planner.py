@@ -310,7 +310,9 @@ def test_grid_edge_warnings():
     narrow = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], periods=[8], overlaps=[0, 1], break_even=False)
     assert any("smallest tried (k=8)" in w for w in narrow.warnings)
     assert any("best tau is the largest tried" in w and "--overlap 0,1,2" in w for w in narrow.warnings)
-    small = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[0.25, 1], periods=[1, 2], break_even=False)
+    small = make_plan(
+        cm.PRESETS["a100-1nic"], **A100, bucket_mb=[0.25, 1], periods=[1, 2], fragments=(), break_even=False
+    )
     assert any("bucket size is the largest tried (1 MB)" in w and "--bucket-mb 0.25,1,4" in w for w in small.warnings)
 
 
@@ -374,7 +376,7 @@ def test_plan_reports_memory_and_collectives(a100_plan):
     assert m.in_flight == pytest.approx(2 / 8 * 14e9 / 8)  # tau=1 fragment of 1/8, snapshot + payload, 1/L
     text = format_plan(a100_plan)
     assert "extra GPU memory per rank" in text and "outer optimizer" in text
-    assert "collectives assumed: DDP: flat" in text and "NVLS" in text
+    assert "collectives assumed: NCCL's tuning model" in text and "all-reduce of each 25 MB bucket" in text
 
 
 def test_break_even_bisects_the_inter_bandwidth():

@@ -302,10 +302,8 @@ def make_plan(
     near = [r for r in usable if r.period == period and r.step_s <= target]
     recommended = min(near, key=lambda r: (r.overlap, r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
 
-    algo, eta = profile.flat_algorithm, profile.tree_efficiency
-    links = (profile.intra, profile.inter, profile.rails)
-    flat_s = cm.flat_allreduce_time(grad_bytes, profile.nodes, profile.ranks_per_node, *links, algo, efficiency=eta)
-    intra_s = cm.allreduce_time("ring", profile.ranks_per_node, grad_bytes, profile.intra)
+    flat_s = cm.predict_allreduce(grad_bytes, profile)
+    intra_s = cm.predict_allreduce(grad_bytes, cm.node_profile(profile))
     rails = min(profile.rails or profile.ranks_per_node, profile.ranks_per_node)
     n = profile.nodes
     inter_bound = 2 * (n - 1) / n * grad_bytes * ratio * profile.inter.beta / rails

@@ -18,8 +18,9 @@ from .planner_report import format_plan
 
 __all__ = ["add_arguments", "add_profile_arguments", "profile_from_args", "run"]
 
-# Hop latencies when the flags give none: NCCL's own (tuning.cc, Simple protocol: NVLink 3.4 us,
-# network 14 us), gloo's tens of microseconds otherwise (the emulated preset).
+# Hop latencies of the alpha-beta model when the flags give none (NCCL's Simple-protocol figures,
+# NVLink 3.4 us and network 14 us; tens of microseconds on gloo). Under NCCL the cost model
+# uses NCCL's whole latency table instead (hiersync.costmodel.nccl).
 DEFAULT_LATENCY_S = {"nccl": (3.4e-6, 14e-6), "other": (30e-6, 60e-6)}
 
 
@@ -42,9 +43,21 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--inter-gbps", type=float, help="achieved bandwidth of one inter-node NIC in GB/s (bytes)")
     net.add_argument("--nics-per-node", type=int, help="inter-node NICs (rails) per node (default: one per GPU)")
     net.add_argument("--intra-gbps", type=float, help="intra-node all-reduce bus bandwidth per GPU in GB/s")
-    net.add_argument("--inter-latency-us", type=float, help="latency per inter-node hop (default 14 under NCCL)")
-    net.add_argument("--intra-latency-us", type=float, help="latency per intra-node hop (default 3.4 under NCCL)")
-    net.add_argument("--backend", help="nccl (default; ring or tree) or gloo (rings) for a network from flags")
+    net.add_argument("--nvls-gbps", type=float, help="NVLS all-reduce bus bandwidth per node in GB/s (NVSwitch nodes)")
+    net.add_argument(
+        "--net-latency-us",
+        type=float,
+        help="the fabric: latency the network plugin adds per inter-node step under NCCL (0 InfiniBand/RoCE, "
+        "75 AWS EFA on p5; calibrate measures it)",
+    )
+    net.add_argument("--gpu", choices=list(cm.nccl.GPU_GENERATIONS), help="GPU generation (NCCL's per-channel caps)")
+    net.add_argument(
+        "--inter-latency-us", type=float, help="latency per inter-node hop, alpha-beta model (gloo; NCCL uses its own)"
+    )
+    net.add_argument(
+        "--intra-latency-us", type=float, help="latency per intra-node hop, alpha-beta model (gloo; NCCL uses its own)"
+    )
+    net.add_argument("--backend", help="nccl (default: NCCL's tuning model) or gloo (rings) for a network from flags")
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -54,8 +67,11 @@ def _positive(name: str, value: float | None) -> None:
 
 def profile_from_args(args: argparse.Namespace) -> cm.Profile:
     """The profile of ``--profile``/``--preset``, with the link flags applied; or one built from the flags."""
-    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us"):
+    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us", "nvls_gbps"):
         _positive("--" + name.replace("_", "-"), getattr(args, name, None))
+    net_latency = getattr(args, "net_latency_us", None)
+    if net_latency is not None and not net_latency >= 0:
+        raise ValueError(f"--net-latency-us must be >= 0, got {net_latency!r}")
     nics = getattr(args, "nics_per_node", None)
     if nics is not None and nics < 1:
         raise ValueError(f"--nics-per-node must be >= 1, got {nics}")
@@ -96,6 +112,9 @@ def profile_from_args(args: argparse.Namespace) -> cm.Profile:
             changes[level] = cm.Link(alpha, beta, link.gamma)
     if nics is not None:
         changes["rails"] = nics
+    for name in ("nvls_gbps", "net_latency_us", "gpu"):
+        if getattr(args, name, None) is not None:
+            changes[name] = getattr(args, name)
     return replace(base, **changes) if changes else base
 
 
