@@ -226,7 +226,7 @@ def test_cli_plan_shows_streaming(capsys):
     assert "hiersync k=4 F=4 tau=0" in capsys.readouterr().out
 
 
-# --- issue 13 part 3: an honest planner ----------------------------------------------------------
+# --- an honest planner: compute required, fp32 gradients, copies and overlap priced ------------------
 
 A100 = dict(params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, forward_s=0.15)
 

@@ -284,8 +284,8 @@ PRESETS: dict[str, Profile] = {
     # The one-machine testbed (docs/benchmarks.md): gloo over loopback inside a node, one veth
     # per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes. The figures are
     # what `python -m hiersync calibrate --rails 1 --full` fitted there (docs/costmodel.md,
-    # "Validation against measurement"): gloo's all-reduce reduces and copies on the CPU, so its
-    # intra-node link is ~1 GB/s, not the ~3 GB/s a raw loopback socket moves.
+    # "Against the testbed"): gloo's all-reduce reduces and copies on the CPU, so its intra-node
+    # link is ~1 GB/s, not the ~3 GB/s a raw loopback socket moves.
     "emulated": Profile(
         intra=Link.from_bandwidth(743e-6, 986.5e6),
         inter=Link.from_bandwidth(584e-6, 95e6),
@@ -299,11 +299,11 @@ PRESETS: dict[str, Profile] = {
         copy_gbps=1.4,
         name="emulated",
         source=(
-            "emulated testbed, calibrated (docs/costmodel.md, 'Validation against measurement'): gloo intra "
-            "all-reduce 743 us + 986.5 MB/s, reduce-scatter 276.1 MB/s, all-gather 466.7 MB/s and shard broadcast "
-            "2278 MB/s (effective); inter 584 us and 95 MB/s per NIC (the tbf 800 Mbit/s payload rate, measured "
-            "as raw TCP; the fit's 111.5 MB/s follows tbf's bursts at small sizes); copies at 1.4 GB/s measured "
-            "(a 100 MB torch.cat took 71 ms on the loaded 2-core box, finding 3)"
+            "emulated testbed, calibrated (docs/costmodel.md, 'Against the testbed'): gloo intra all-reduce "
+            "743 us + 986.5 MB/s, reduce-scatter 276.1 MB/s, all-gather 466.7 MB/s and shard broadcast 2278 MB/s "
+            "(effective); inter 584 us and 95 MB/s per NIC (the tbf 800 Mbit/s payload rate, measured as raw TCP; "
+            "the fit's 111.5 MB/s follows tbf's bursts at small sizes); copies at 1.4 GB/s measured (a 100 MB "
+            "torch.cat took 71 ms on the loaded 2-core box)"
         ),
     ),
 }
