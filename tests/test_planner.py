@@ -394,3 +394,83 @@ def test_break_even_bisects_the_inter_bandwidth():
     assert best_gain(be * 0.97) >= 1.05 > best_gain(be * 1.03)
     assert make_plan(cm.PRESETS["a100-1nic"], **{**kw, "nodes": 1}).break_even_gbps is None
     assert break_even_gbps(plan) == be
+
+
+# --- plan --fsdp: FSDP2 inside the node ----------------------------------------------------------
+
+
+def test_fsdp_plan_command_fits_a_7b_model_and_says_what_to_paste(capsys):
+    """The pinned example: 7B on 16 x 8 A100s with one NIC, forward 100 ms, backward 300 ms."""
+    argv = ["plan", "--fsdp", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8"]
+    assert cli.main([*argv, "--forward-ms", "100", "--backward-ms", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in a GPU of 80 GB" in out and "DDP would need 112.00 GB" in out
+    memory = next(line for line in out.splitlines() if line.startswith("memory per GPU:"))
+    assert float(memory.split()[3]) < 80
+    assert "mesh = hiersync.node_mesh()" in out and "fully_shard(block, mesh=mesh)" in out
+    assert "fully_shard(model, mesh=mesh)" in out
+    assert "state = hiersync.register(model, opt, period=" in out and "<- recommended" in out
+    assert "fsdp2 hsdp" in out and "intra-only" in out
+
+
+def test_fsdp_memory_by_hand():
+    from hiersync.costmodel.fsdp import fsdp_memory
+
+    m = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, fragments=4, overlap=1)
+    # fp32 parameters and gradients, AdamW's two fp32 states: 16 bytes per parameter, sharded 1/8
+    assert (m.params, m.grads, m.optimizer) == (4e9, 4e9, 8e9) and m.sharded == 16e9
+    # two units' parameters gathered (computing and prefetched) and one unit's unsharded gradient
+    assert m.unsharded == 2 * 32e9 / 16 + 32e9 / 16
+    # hiersync: the snapshot and payload of the rank's shard of the one fragment in flight; no anchor
+    assert (m.anchor, m.momentum, m.in_flight) == (0.0, 0.0, 2 * 32e9 / 4 / 8)
+    full = fsdp_memory(params=8e9, ranks_per_node=8, units=16, reshard_after_forward=False)
+    assert full.unsharded == 32e9 + 32e9 / 16 and full.hiersync == 0  # period 1 (HSDP) keeps no state
+    outer = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, anchor=True, outer=True)
+    assert outer.anchor == outer.momentum == 32e9 / 8 and outer.in_flight == 32e9 / 8  # blocking: one payload
+
+
+def test_fsdp_unit_pipeline_by_hand():
+    from hiersync.costmodel.fsdp import _pass
+
+    # two units: all-gathers of 1 s prefetched back to back, 2 s of compute each: the first all-gather is exposed
+    assert _pass(2, 4.0, 1.0, ()) == (2.0, 1.0)
+    # and a 3 s reduce-scatter after each unit's compute, on the same intra-node channel: 5 s past the compute
+    assert _pass(2, 4.0, 1.0, (("intra", 3.0),)) == (8.0, 5.0)
+    # a rail leg runs on its own channel, after its unit's reduce-scatter
+    assert _pass(1, 1.0, 0.0, (("intra", 1.0), ("rail", 2.0))) == (3.0, 3.0)
+
+
+def test_fsdp_schedules_against_each_other():
+    from hiersync.costmodel.fsdp import fsdp_step_time
+
+    prof = cm.PRESETS["a100-1nic"].with_shape(nodes=16)
+    kw = dict(profile=prof, params=7e9, units=32, forward_s=0.1, backward_s=0.3)
+    hsdp = fsdp_step_time("hsdp", **kw)
+    assert fsdp_step_time("hiersync", period=1, **kw).step_s == hsdp.step_s  # hiersync period 1 is HSDP
+    local = fsdp_step_time("intra_only", **kw)
+    assert local.inter_bytes_peak == 0 and hsdp.inter_bytes_peak == pytest.approx(2 * 15 / 16 * 28e9 / 8)
+    for period, frags, tau in ((2, 1, 0), (4, 4, 1), (8, 8, 1)):
+        st = fsdp_step_time("hiersync", period=period, fragments=frags, overlap=tau, **kw)
+        assert local.step_s <= st.step_s < hsdp.step_s
+        assert st.inter_bytes_mean == pytest.approx(2 * 15 / 16 * 28e9 / 8 / period)
+    # without resharding after the forward the backward all-gathers are gone
+    kept = fsdp_step_time("intra_only", reshard_after_forward=False, **kw)
+    assert kept.comm_s < local.comm_s and kept.step_s <= local.step_s
+    with pytest.raises(ValueError, match="valid: hsdp, hiersync, intra_only"):
+        fsdp_step_time("ddp", **kw)
+
+
+def test_fsdp_plan_rejects_and_warns():
+    from hiersync.costmodel.fsdp_plan import format_fsdp_plan, make_fsdp_plan
+
+    with pytest.raises(ValueError, match="--fsdp-units"):
+        make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, backward_s=0.3, forward_s=0.1, units=0)
+    with pytest.raises(ValueError, match="backward"):
+        make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, forward_s=0.1)
+    big = make_fsdp_plan(cm.PRESETS["a100-1nic"], params=70e9, gpus_per_node=2, backward_s=3.0, forward_s=1.0)
+    assert not big.fits and "does NOT fit" in format_fsdp_plan(big)
+    # 1B on two 8-rail H100 nodes: HSDP's rail leg hides behind the backward, so period 1 (= HSDP) it is
+    hsdp = make_fsdp_plan(cm.PRESETS["h100-8rail"], params=1e9, nodes=2, backward_s=0.3, forward_s=0.1)
+    assert hsdp.period == 1 and hsdp.recommended is hsdp.hsdp
+    text = format_fsdp_plan(hsdp)
+    assert "state = hiersync.register(model, opt, period=1)" in text and "cannot help much" in text

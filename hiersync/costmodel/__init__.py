@@ -17,7 +17,9 @@ One idea per module:
 * :mod:`.fit`: fitting alpha and beta, and the fabric latency, to measurements (:func:`fit_link`);
 * :mod:`.memory`: the extra GPU memory per rank of a mode (:func:`~.memory.sync_memory`);
 * :mod:`.planner` (with :mod:`.planner_report` and :mod:`.planner_cli`) and
-  :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
+  :mod:`.projection`: ``python -m hiersync plan`` and ``project``;
+* :mod:`.fsdp` and :mod:`.fsdp_plan`: FSDP2 inside the node (``plan --fsdp``): memory per GPU
+  and the step with per-unit all-gathers and reduce-scatters.
 
 Every public name of the first six is re-exported here, so ``from hiersync import
 costmodel as cm; cm.allreduce_time(...)`` is the way to use them.

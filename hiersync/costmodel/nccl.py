@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -290,6 +291,7 @@ def allreduce_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = 
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def allreduce(nbytes: float, fab: Fabric, algorithm: str = "auto") -> Choice:
     """The fastest choice for ``nbytes``: what NCCL runs (``"auto"``), or the fastest protocol of
     a forced ``algorithm`` (``NCCL_ALGO``): ``"ring"``, ``"tree"``, ``"nvls"``, ``"nvls_tree"``."""
@@ -301,6 +303,7 @@ def allreduce(nbytes: float, fab: Fabric, algorithm: str = "auto") -> Choice:
     return min(choices, key=lambda c: c.time_s)
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def ring_collective(kind: str, nbytes: float, fab: Fabric) -> Choice:
     """A reduce-scatter (``nbytes`` of input per rank) or all-gather (``nbytes`` of output).
 

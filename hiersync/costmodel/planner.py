@@ -41,6 +41,9 @@ __all__ = [
     "run",
     "DTYPE_BYTES",
     "copy_s_per_byte",
+    "check_compute",
+    "compress_ratio_for",
+    "copy_speed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,7 +190,9 @@ def _ints(name: str, values: Sequence[int], low: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be ints >= {low}{hint}, got {list(values)}")
 
 
-def _compute(profile: cm.Profile, backward_s: float | None, forward_s: float | None, compute_s: float | None):
+def check_compute(
+    profile: cm.Profile, backward_s: float | None, forward_s: float | None, compute_s: float | None
+) -> tuple[float, float]:
     """(backward, compute) seconds from the arguments or the profile; ValueError naming the flag."""
     backward = profile.backward_s if backward_s is None else backward_s
     if backward is None or not backward > 0:
@@ -207,6 +212,13 @@ def _compute(profile: cm.Profile, backward_s: float | None, forward_s: float | N
             f"without a forward pass, which hides less communication and inflates the speed-ups"
         )
     return float(backward), float(backward + forward)
+
+
+def compress_ratio_for(compress: str, dtype: str) -> float:
+    """Bytes sent per byte of parameters on the inter-node sync leg with ``compress`` ("none", "bf16", "fp16")."""
+    if compress not in ("none", *COMPRESS_DTYPES):
+        raise ValueError(f"unknown compress {compress!r}; valid: none, {', '.join(COMPRESS_DTYPES)}")
+    return 1.0 if compress == "none" else min(1.0, 2 / DTYPE_BYTES[dtype])
 
 
 def copy_speed(profile: cm.Profile, copy_s: float | None) -> tuple[float, str]:
@@ -280,10 +292,10 @@ def make_plan(
         nodes=profile.nodes if nodes is None else nodes,
         ranks_per_node=profile.ranks_per_node if gpus_per_node is None else gpus_per_node,
     )
-    backward, compute = _compute(profile, backward_s, forward_s, compute_s)
+    backward, compute = check_compute(profile, backward_s, forward_s, compute_s)
     copy_beta, copy_source = copy_speed(profile, copy_s_per_byte)
     grad_bytes = float(params) * DTYPE_BYTES[dtype]
-    ratio = 1.0 if compress == "none" else min(1.0, 2 / DTYPE_BYTES[dtype])
+    ratio = compress_ratio_for(compress, dtype)
     periods = sorted(set(periods))
     common: dict[str, Any] = dict(
         grad_bytes=grad_bytes, backward_s=backward, compute_s=compute, copy_s_per_byte=copy_beta

@@ -2,21 +2,27 @@
 
 A network comes from ``--profile P.json`` (``python -m hiersync calibrate``), ``--preset``,
 or flags alone (``--inter-gbps 12.5 --nics-per-node 1 --intra-gbps 235 --nodes 16
---gpus-per-node 8``); with a profile or preset the same flags override its fields.
+--gpus-per-node 8``); with a profile or preset the same flags override its fields. ``--fsdp``
+plans a model sharded with FSDP2 inside the node instead (:mod:`.fsdp_plan`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
 from hiersync import costmodel as cm
 from hiersync.vocab import COMPRESS_DTYPES
 
+from .fsdp import ADAMW_STATE_BYTES
+from .fsdp_plan import DEFAULT_UNITS, GPU_MEMORY_GB, format_fsdp_plan, make_fsdp_plan
 from .planner import DEFAULT_FRAGMENTS, DEFAULT_OVERLAPS, DEFAULT_WARMUP_STEPS, DTYPE_BYTES, copy_s_per_byte, make_plan
 from .planner_report import format_plan
 
 __all__ = ["add_arguments", "add_profile_arguments", "profile_from_args", "run"]
+
+logger = logging.getLogger(__name__)
 
 # Hop latencies of the alpha-beta model when the flags give none (NCCL's Simple-protocol figures,
 # NVLink 3.4 us and network 14 us; tens of microseconds on gloo). Under NCCL the cost model
@@ -141,8 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-mb",
         type=lambda s: _list(float, s),
-        default=[1, 5, 25, 100],
-        help="DDP bucket_cap_mb values (default 1,5,25,100)",
+        default=None,
+        help="DDP bucket_cap_mb values (default 1,5,25,100; not used with --fsdp)",
     )
     parser.add_argument(
         "--compress",
@@ -171,6 +177,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speed of the sync's launch copies in GB/s (default: the profile's, else 1000 under NCCL, 5 on "
         "gloo; 0 = copies free)",
     )
+    fsdp = parser.add_argument_group("FSDP2 inside the node (--fsdp)")
+    fsdp.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="plan a model sharded with FSDP2 over each node (hiersync.node_mesh()): memory per GPU, HSDP vs "
+        "hiersync period k / streaming",
+    )
+    fsdp.add_argument("--fsdp-units", type=int, default=DEFAULT_UNITS, help=f"FSDP units (default {DEFAULT_UNITS})")
+    fsdp.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="fully_shard(..., reshard_after_forward=False): no all-gather in backward, every unit kept gathered",
+    )
+    fsdp.add_argument(
+        "--optimizer-bytes",
+        type=float,
+        default=ADAMW_STATE_BYTES,
+        help=f"optimizer state bytes per parameter (default {ADAMW_STATE_BYTES:g}: AdamW's two fp32 tensors)",
+    )
+    fsdp.add_argument("--outer", action="store_true", help="an outer optimizer (outer_lr=...): its momentum in memory")
+    fsdp.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_GB, help="GPU memory (default 80 GB)")
+    fsdp.add_argument(
+        "--activations-gb", type=float, default=0.0, help="activations per GPU to add (not modelled; default 0)"
+    )
     parser.add_argument(
         "--warmup-steps",
         type=int,
@@ -180,6 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "fsdp", False):
+        return _run_fsdp(args)
     try:
         profile = profile_from_args(args)
         plan = make_plan(
@@ -191,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
             forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
             periods=args.periods,
-            bucket_mb=args.bucket_mb,
+            bucket_mb=args.bucket_mb or [1, 5, 25, 100],
             compress=args.compress,
             placement=args.placement,
             fragments=[f for f in args.fragments if f != 0],
@@ -202,4 +235,36 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None
     print(format_plan(plan))
+    return 0
+
+
+def _run_fsdp(args: argparse.Namespace) -> int:
+    if args.bucket_mb is not None:
+        logger.warning("plan --fsdp: --bucket-mb is DDP's and is ignored (FSDP2 communicates per unit)")
+    try:
+        profile = profile_from_args(args)
+        plan = make_fsdp_plan(
+            profile,
+            params=args.params,
+            dtype=args.dtype,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
+            forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
+            units=args.fsdp_units,
+            periods=args.periods,
+            fragments=[f for f in args.fragments if f != 0],
+            overlaps=args.overlap,
+            compress=args.compress,
+            reshard_after_forward=args.reshard_after_forward,
+            optimizer_bytes=args.optimizer_bytes,
+            outer=args.outer,
+            copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
+            gpu_memory_gb=args.gpu_memory_gb,
+            activations_gb=args.activations_gb,
+            warmup_steps=args.warmup_steps,
+        )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan --fsdp: error: {err}") from None
+    print(format_fsdp_plan(plan))
     return 0
