@@ -474,3 +474,67 @@ def test_fsdp_plan_rejects_and_warns():
     assert hsdp.period == 1 and hsdp.recommended is hsdp.hsdp
     text = format_fsdp_plan(hsdp)
     assert "state = hiersync.register(model, opt, period=1)" in text and "cannot help much" in text
+
+
+# --- failure-aware planning ----------------------------------------------------------------------
+
+
+def test_the_default_mtbf_is_llama_3s():
+    from hiersync.costmodel.failures import LLAMA3_NODE_MTBF_HOURS, failure_plan
+
+    assert round(LLAMA3_NODE_MTBF_HOURS) == 6335
+    # on Llama 3's 2,048 nodes it gives back its 419 interruptions in 54 days
+    assert failure_plan(nodes=2048).interruptions_per_day * 54 == pytest.approx(419)
+
+
+def test_interruptions_and_the_chance_of_one_a_day():
+    import math
+
+    from hiersync.costmodel.failures import failure_plan
+
+    fp = failure_plan(nodes=128, node_mtbf_hours=1000.0)
+    assert fp.interruptions_per_day == pytest.approx(24 * 128 / 1000)
+    assert fp.job_mtbf_s == pytest.approx(3600 * 1000 / 128)
+    p = 1 - math.exp(-24 / 1000)  # one node's chance in a day
+    assert fp.p_interrupted_day == pytest.approx(1 - (1 - p) ** 128) == pytest.approx(1 - math.exp(-24 * 128 / 1000))
+
+
+def test_daly_interval_and_restart_goodput():
+    import math
+
+    from hiersync.costmodel.failures import daly_interval, restart_goodput
+
+    d, m = 60.0, 6 * 3600.0
+    tau = daly_interval(d, m)
+    assert tau == pytest.approx(math.sqrt(2 * d * m) - d, rel=0.02)  # Young's sqrt(2 d M), to first order
+    best = restart_goodput(tau, d, 600.0, m)
+    assert best > restart_goodput(0.7 * tau, d, 600.0, m) and best > restart_goodput(1.4 * tau, d, 600.0, m)
+    # by hand: tau / (M e^(R/M) (e^((tau + d)/M) - 1))
+    assert restart_goodput(3600, 60, 600, m) == pytest.approx(3600 / (m * math.exp(600 / m) * math.expm1(3660 / m)))
+    assert daly_interval(3 * m, m) == m  # a checkpoint longer than 2 M: checkpoint every M
+
+
+def test_surviving_in_place_costs_the_same_whatever_the_size():
+    from hiersync.costmodel.failures import failure_plan
+
+    kw = dict(node_mtbf_hours=6000.0, checkpoint_s=60, restart_s=600, detect_s=30, window_s=8, recovery_s=20)
+    small, big = failure_plan(nodes=16, **kw), failure_plan(nodes=1024, **kw)
+    for fp in (small, big):
+        n = fp.nodes
+        assert fp.goodput_in_place == pytest.approx(1 - (n * 30 + 8 + 600 + 20) / (6000 * 3600))
+    assert big.goodput_restart < small.goodput_restart - 0.05  # restarting everyone gets worse with N
+    assert big.goodput_in_place > big.goodput_restart
+
+
+def test_plan_prints_the_failure_lines(capsys):
+    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "1024", "--backward-ms", "300"]
+    assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--bucket-mb", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "node MTBF 6,335 h (Llama 3's 419 interruptions in 54 days on 2,048 nodes)" in out
+    assert "1024 nodes: 3.88 interruptions per day" in out and "Young/Daly interval" in out
+    assert "survive in place (hiersync on torchft)" in out
+    assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--node-mtbf-hours", "1000"]) == 0
+    assert "node MTBF 1,000 h (--node-mtbf-hours)" in capsys.readouterr().out
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "Llama 3" in parser.format_help() and "--checkpoint-s" in parser.format_help()

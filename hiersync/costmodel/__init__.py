@@ -19,7 +19,9 @@ One idea per module:
 * :mod:`.planner` (with :mod:`.planner_report` and :mod:`.planner_cli`) and
   :mod:`.projection`: ``python -m hiersync plan`` and ``project``;
 * :mod:`.fsdp` and :mod:`.fsdp_plan`: FSDP2 inside the node (``plan --fsdp``): memory per GPU
-  and the step with per-unit all-gathers and reduce-scatters.
+  and the step with per-unit all-gathers and reduce-scatters;
+* :mod:`.failures`: interruptions at a size, Daly's checkpoint interval, and the goodput of
+  restarting from checkpoints against surviving in place.
 
 Every public name of the first six is re-exported here, so ``from hiersync import
 costmodel as cm; cm.allreduce_time(...)`` is the way to use them.
