@@ -538,3 +538,47 @@ def test_plan_prints_the_failure_lines(capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert "Llama 3" in parser.format_help() and "--checkpoint-s" in parser.format_help()
+
+
+# --- which compress pays ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "pays"),
+    [
+        (["--preset", "h100-8rail"], "None"),  # 8 x 400 Gb/s: nothing waits for inter-node bytes
+        (["--preset", "a100-1nic"], '"bf16"'),  # one 100 Gb/s NIC: 16 bits pay, fewer gain < 2% more
+        (["--inter-gbps", "3.1", "--nics-per-node", "1", "--intra-gbps", "235"], '"int4"'),  # 25 Gbit/s per node
+    ],
+)
+def test_the_plan_says_which_compress_pays(capsys, flags, pays):
+    argv = ["plan", *flags, "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8", "--backward-ms", "300"]
+    assert cli.main([*argv, "--forward-ms", "150", "--bucket-mb", "25"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compress:"))
+    assert f"use compress={pays}" in line and "int8" in line and "int4" in line and "re-planned" in line
+
+
+def test_quantized_compression_keeps_a_residual():
+    plan = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], compress="int8", break_even=False)
+    m = plan.memory
+    assert m is not None and m.residual == m.anchor == 7e9 * 4 / 8  # fp32 shards of the anchor and the residual
+    assert 'compress="int8"' in format_plan(plan) and "error-feedback residual" in format_plan(plan)
+    with pytest.raises(ValueError, match="int4"):
+        make_plan(cm.PRESETS["a100-1nic"], **A100, compress="int2")
+
+
+def test_fsdp_prices_compression_too():
+    from hiersync.costmodel.fsdp import fsdp_memory, fsdp_step_time
+    from hiersync.costmodel.fsdp_plan import format_fsdp_plan, make_fsdp_plan
+
+    prof = cm.PRESETS["a100-1nic"].with_shape(nodes=16)
+    kw = dict(profile=prof, params=7e9, units=32, forward_s=0.1, backward_s=0.3, period=2, fragments=2, overlap=1)
+    steps = [fsdp_step_time("hiersync", compress=c, **kw).step_s for c in (None, "bf16", "int8", "int4")]
+    assert steps == sorted(steps, reverse=True)
+    peaks = [fsdp_step_time("hiersync", compress=c, **kw).inter_bytes_peak for c in (None, "int4")]
+    assert peaks[1] == pytest.approx(peaks[0] * 4.25 / 32)
+    m = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, anchor=True, error_feedback=True)
+    assert m.residual == m.anchor == 4e9
+    plan = make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, nodes=16, backward_s=0.3, forward_s=0.1, compress="int4")
+    text = format_fsdp_plan(plan)
+    assert 'compress="int4"' in text and "compress: at hiersync" in text and plan.memory.residual > 0

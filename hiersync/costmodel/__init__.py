@@ -16,10 +16,11 @@ One idea per module:
   collective goes through (NCCL's model under NCCL, the alpha-beta ring on gloo);
 * :mod:`.fit`: fitting alpha and beta, and the fabric latency, to measurements (:func:`fit_link`);
 * :mod:`.memory`: the extra GPU memory per rank of a mode (:func:`~.memory.sync_memory`);
-* :mod:`.planner` (with :mod:`.planner_report` and :mod:`.planner_cli`) and
+* :mod:`.planner` (with :mod:`.planner_report`, :mod:`.planner_sweeps` and :mod:`.planner_cli`) and
   :mod:`.projection`: ``python -m hiersync plan`` and ``project``;
 * :mod:`.fsdp` and :mod:`.fsdp_plan`: FSDP2 inside the node (``plan --fsdp``): memory per GPU
   and the step with per-unit all-gathers and reduce-scatters;
+* :mod:`.compression`: bits per element of ``compress`` and the quantized rail average (int8/int4);
 * :mod:`.failures`: interruptions at a size, Daly's checkpoint interval, and the goodput of
   restarting from checkpoints against surviving in place.
 
@@ -37,7 +38,7 @@ Example::
 
 from __future__ import annotations
 
-from . import nccl, validation
+from . import compression, nccl, validation
 from .fit import LinkFit, fit_link, fit_nccl_profile, fit_net_latency
 from .hierarchy import (
     FLAT_ALGORITHMS,
@@ -85,6 +86,7 @@ from .streaming import (
 )
 
 __all__ = [
+    "compression",
     "nccl",
     "validation",
     "predict_allreduce",

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import compression
 from .links import check_count, check_number
 from .predict import node_profile, predict_all_gather, predict_allreduce, predict_reduce_scatter, rail_profile
 from .steptime import StepTime, simulate
@@ -68,6 +69,8 @@ class FsdpMemory:
     """hiersync's fp32 outer momentum for the rank's shard (outer optimizer)."""
     in_flight: float
     """Snapshots (and payloads) of the rank's shard of the fragments in flight."""
+    residual: float = 0.0
+    """fp32 error-feedback residual for the rank's shard (int8/int4 compression)."""
     activations: float = 0.0
     """As given: the model's activations are not modelled."""
 
@@ -77,7 +80,7 @@ class FsdpMemory:
 
     @property
     def hiersync(self) -> float:
-        return self.anchor + self.momentum + self.in_flight
+        return self.anchor + self.momentum + self.in_flight + self.residual
 
     @property
     def total(self) -> float:
@@ -98,6 +101,7 @@ def fsdp_memory(
     reshard_after_forward: bool = True,
     anchor: bool = False,
     outer: bool = False,
+    error_feedback: bool = False,
     activations_bytes: float = 0.0,
 ) -> FsdpMemory:
     """Memory per GPU of ``params`` parameters in ``units`` FSDP units sharded over ``ranks_per_node``.
@@ -124,6 +128,7 @@ def fsdp_memory(
         anchor=shard_state if k > 1 and (anchor or outer) else 0.0,
         momentum=shard_state if k > 1 and outer else 0.0,
         in_flight=in_flight,
+        residual=shard_state if k > 1 and error_feedback else 0.0,
         activations=check_number("activations_bytes", activations_bytes),
     )
 
@@ -158,13 +163,15 @@ def fsdp_step_time(
     compress_ratio: float = 1.0,
     reshard_after_forward: bool = True,
     copy_s_per_byte: float = 0.0,
+    compress: str | None = None,
 ) -> StepTime:
     """Per-step communication of an FSDP2 model on ``profile`` (``schedule`` in :data:`FSDP_SCHEDULES`).
 
     ``forward_s`` (forward + optimizer) and ``backward_s`` are the step's compute; ``units``
-    FSDP units of equal bytes; ``compress_ratio``: bytes sent per byte of parameter shard on the
-    period-k rail average. Period-k transfers hide behind whole local steps (compute + the local
-    step's exposed intra-node communication), as for DDP.
+    FSDP units of equal bytes; ``compress`` (:mod:`.compression`: 16-bit values all-reduced,
+    int8/int4 through the quantized rail average) or ``compress_ratio`` (bytes sent per byte,
+    all-reduced): the period-k rail average's bits. Period-k transfers hide behind whole local
+    steps (compute + the local step's exposed intra-node communication), as for DDP.
     """
     if schedule not in FSDP_SCHEDULES:
         raise ValueError(f"unknown FSDP schedule {schedule!r}; valid: {', '.join(FSDP_SCHEDULES)}")
@@ -174,6 +181,10 @@ def fsdp_step_time(
     k = check_count("period", period)
     n_frag, tau = check_streaming(k, fragments, overlap) if schedule == "hiersync" else (1, 0)
     ratio = check_number("compress_ratio", compress_ratio, strict=True)
+    if compress is not None:
+        if ratio != 1.0:
+            raise ValueError(f"give compress={compress!r} or compress_ratio={ratio!r}, not both")
+        ratio = compression.compress_ratio(compress, param_bytes)
     copy_beta = check_number("copy_s_per_byte", copy_s_per_byte)
     n_nodes, lpn = profile.nodes, profile.ranks_per_node
     node = node_profile(profile)
@@ -194,7 +205,10 @@ def fsdp_step_time(
     if schedule == "hiersync" and k > 1 and n_nodes > 1:
         label += f" F={n_frag} tau={tau}"
         shard = p * param_bytes / n_frag / lpn  # the rank's shard of one fragment
-        transfer = predict_allreduce(shard * ratio, rail_profile(profile))
+        if compress is not None and compression.is_quantized(compress):
+            transfer = compression.quantized_average_seconds(shard, profile, compress, param_bytes)
+        else:
+            transfer = predict_allreduce(shard * ratio, rail_profile(profile))
         # snapshot + payload when overlapped; payload + the average written back when blocking
         copies = 2 * shard + (ratio * shard if ratio < 1 else 0.0)
         counts = fragments_per_step(k, n_frag)

@@ -23,8 +23,10 @@ from typing import Any
 
 from hiersync import costmodel as cm
 
+from . import compression
 from .fsdp import ADAMW_STATE_BYTES, FsdpMemory, fsdp_memory, fsdp_step_time
 from .planner import (
+    COMPRESS_NEAR,
     DEFAULT_FRAGMENTS,
     DEFAULT_OVERLAPS,
     DEFAULT_WARMUP_STEPS,
@@ -76,6 +78,8 @@ class FsdpPlan:
     """Bytes per GPU the same model needs under DDP (a full replica, its gradients, its optimizer state)."""
     inter_bound_s: float
     verdict: str
+    compress_same: tuple[tuple[str, float], ...] = ()
+    """(compress, step s) of every option at the recommended configuration (period > 1 only)."""
 
     @property
     def period(self) -> int:
@@ -122,6 +126,7 @@ def make_fsdp_plan(
     backward, compute = check_compute(profile, backward_s, forward_s, None)
     copy_beta, copy_source = copy_speed(profile, copy_s_per_byte)
     ratio = compress_ratio_for(compress, dtype)
+    sent = None if compress == "none" else compress
     pb = DTYPE_BYTES[dtype]
     common: dict[str, Any] = dict(
         profile=profile, params=params, units=units, forward_s=compute - backward, backward_s=backward,
@@ -135,7 +140,7 @@ def make_fsdp_plan(
             continue
         grid = [
             fsdp_step_time(
-                "hiersync", period=k, fragments=f, overlap=t, compress_ratio=ratio, copy_s_per_byte=copy_beta, **common
+                "hiersync", period=k, fragments=f, overlap=t, compress=sent, copy_s_per_byte=copy_beta, **common
             )
             for f in sorted({1, *fragments})
             if f <= min(2 * k, units)
@@ -163,7 +168,8 @@ def make_fsdp_plan(
         params=params, ranks_per_node=profile.ranks_per_node, units=units, period=rec.period or 1,
         fragments=rec.fragments, overlap=rec.overlap, param_bytes=pb, grad_bytes=pb,
         optimizer_bytes=optimizer_bytes, reshard_after_forward=reshard_after_forward,
-        anchor=compress != "none", outer=outer, activations_bytes=activations_gb * 1e9,
+        anchor=compress != "none", outer=outer, error_feedback=compression.is_quantized(compress),
+        activations_bytes=activations_gb * 1e9,
     )  # fmt: skip
     n = profile.nodes
     nics = min(profile.rails or profile.ranks_per_node, profile.ranks_per_node)
@@ -183,7 +189,16 @@ def make_fsdp_plan(
             f"{_ms(rec.st.step_s)} ({rec.speedup:.2f}x); FSDP2 inside the node alone would step in "
             f"{_ms(intra.st.step_s)} ({cap:.2f}x)"
         )
+    same: list[tuple[str, float]] = []
+    if rec.period and rec.period > 1:
+        for option in ("none", "bf16", "int8", "int4"):
+            st = fsdp_step_time(
+                "hiersync", period=rec.period, fragments=rec.fragments, overlap=rec.overlap,
+                compress=None if option == "none" else option, copy_s_per_byte=copy_beta, **common,
+            )  # fmt: skip
+            same.append((option, st.step_s))
     return FsdpPlan(
+        compress_same=tuple(same),
         profile=profile, params=float(params), dtype=dtype, units=units, backward_s=backward, compute_s=compute,
         compress=compress, compress_ratio=ratio, reshard_after_forward=reshard_after_forward,
         copy_source=copy_source, warmup_steps=warmup_steps, rows=rows, hsdp=rows[0], recommended=rec,
@@ -255,11 +270,20 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
         f"memory per GPU: {_gb(m.total)}, {fits} a GPU of {plan.gpu_memory_gb:g} GB: parameters {_gb(m.params)} + "
         f"gradients {_gb(m.grads)} + optimizer state {_gb(m.optimizer)} (each sharded 1/{p.ranks_per_node}) + "
         f"unsharded units {_gb(m.unsharded)} + hiersync {_gb(m.hiersync)} (anchor {_gb(m.anchor)}, outer momentum "
-        f"{_gb(m.momentum)}, fragments in flight {_gb(m.in_flight)}) + activations {_gb(m.activations)} "
+        f"{_gb(m.momentum)}, fragments in flight {_gb(m.in_flight)}, error-feedback residual {_gb(m.residual)}) + "
+        f"activations {_gb(m.activations)} "
         f"(not modelled: --activations-gb); DDP would need {_gb(plan.ddp_memory)} before activations",
         "paste: from torch.distributed.fsdp import fully_shard",
     ]
     lines += [f"       {line}" for line in fsdp_register_lines(plan)]
+    if plan.compress_same:
+        fastest = min(step for _, step in plan.compress_same)
+        pays = next(c for c, step in plan.compress_same if step <= fastest * COMPRESS_NEAR)
+        at = ", ".join(f"{c} {_ms(step)}" for c, step in plan.compress_same)
+        arg = "None" if pays == "none" else f'"{pays}"'
+        lines.append(
+            f"compress: at {rec.schedule}: {at}: use compress={arg} (the least lossy within 2% of the fastest)"
+        )
     n = p.nodes
     lines += [
         f"collectives assumed: per FSDP unit an all-gather of {_gb(unit)} before its forward"

@@ -13,8 +13,8 @@ import logging
 from dataclasses import replace
 
 from hiersync import costmodel as cm
-from hiersync.vocab import COMPRESS_DTYPES
 
+from .compression import COMPRESS_OPTIONS, DEFAULT_QUANT_GBPS, QUANT_BLOCK
 from .failures import (
     DEFAULT_CHECKPOINT_S,
     DEFAULT_DETECT_S,
@@ -81,7 +81,7 @@ def _positive(name: str, value: float | None) -> None:
 
 def profile_from_args(args: argparse.Namespace) -> cm.Profile:
     """The profile of ``--profile``/``--preset``, with the link flags applied; or one built from the flags."""
-    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us", "nvls_gbps"):
+    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us", "nvls_gbps", "quant_gbps"):
         _positive("--" + name.replace("_", "-"), getattr(args, name, None))
     net_latency = getattr(args, "net_latency_us", None)
     if net_latency is not None and not net_latency >= 0:
@@ -126,7 +126,7 @@ def profile_from_args(args: argparse.Namespace) -> cm.Profile:
             changes[level] = cm.Link(alpha, beta, link.gamma)
     if nics is not None:
         changes["rails"] = nics
-    for name in ("nvls_gbps", "net_latency_us", "gpu"):
+    for name in ("nvls_gbps", "net_latency_us", "gpu", "quant_gbps"):
         if getattr(args, name, None) is not None:
             changes[name] = getattr(args, name)
     return replace(base, **changes) if changes else base
@@ -160,9 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compress",
-        choices=["none", *COMPRESS_DTYPES],
+        choices=list(COMPRESS_OPTIONS),
         default="none",
-        help="16-bit deltas on the inter-node sync leg (default none)",
+        help="deltas on the inter-node sync leg: bf16/fp16 (16 bits), int8/int4 (block-scaled, one fp32 scale per "
+        f"{QUANT_BLOCK} elements, a quantized rail average); default none. The plan also says which one pays",
+    )
+    parser.add_argument(
+        "--quant-gbps",
+        type=float,
+        help=f"GB/s of fp32 a quantize or dequantize pass processes (default: the profile's, else "
+        f"{DEFAULT_QUANT_GBPS:g}, a conservative GPU rate, not measured)",
     )
     parser.add_argument(
         "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
@@ -265,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             overlaps=args.overlap,
             copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
             warmup_steps=args.warmup_steps,
+            compare_compress=True,
         )
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None

@@ -20,6 +20,7 @@ __all__ = [
     "edge_warnings",
     "collectives_assumed",
     "links_line",
+    "compress_line",
     "ddp_call",
     "register_call",
     "format_plan",
@@ -182,6 +183,8 @@ def _memory(plan: Plan) -> str:
     lpn = plan.profile.ranks_per_node
     share = f"1/{lpn}" if m.sharded else "whole"
     parts = [f"anchor {_gb(m.anchor)}" if m.anchor else "no anchor (no compress, no outer optimizer)"]
+    if m.residual:
+        parts.append(f"error-feedback residual {_gb(m.residual)}")
     if m.sharded:
         parts.append(f"in flight {_gb(m.in_flight)}")
         parts.append(f"gather buffer {_gb(m.gather)}")
@@ -205,6 +208,25 @@ def links_line(p: cm.Profile, nics: int) -> str:
         f"intra ring {p.intra.bandwidth / 1e9:,.4g} GB/s busbw{nvls} ({p.gpu}, {p.intra_link}); inter "
         f"{p.inter.bandwidth / 1e9:,.4g} GB/s per NIC x {_nics(nics)}, fabric latency {p.net_latency_us:g} us; "
         f"hop latencies NCCL's"
+    )
+
+
+def compress_line(plan: Plan) -> str:
+    """Which ``compress`` pays on this network: every option at the recommended configuration, and re-planned."""
+    same = dict(plan.compress_same)
+    pays = plan.compress_pays or "none"
+    rec = plan.recommended
+    config = rec.schedule if rec.period and rec.period > 1 else "the recommendation"
+    at = ", ".join(f"{c} {_ms(step)}" for c, step in plan.compress_same)
+    alone = "; ".join(f"{c} {_ms(step)} at {schedule}" for c, step, schedule in plan.compress_steps)
+    if pays == "none":
+        why = "no option is >= 2% faster: the step does not wait for inter-node bytes here"
+    else:
+        why = f"{same['none'] / same[pays]:.2f}x faster than none; fewer bits gain < 2% more"
+    arg = "None" if pays == "none" else f'"{pays}"'
+    return (
+        f"compress: at {config}: {at}: use compress={arg} ({why}); each re-planned (smallest k within 5% of its "
+        f"best): {alone}"
     )
 
 
@@ -248,6 +270,8 @@ def format_plan(plan: Plan) -> str:
     if plan.use_hiersync:
         lines.append(f"       {register_call(plan)}")
         lines.append(_memory(plan))
+    if plan.compress_steps:
+        lines.append(compress_line(plan))
     be = plan.break_even_gbps
     node_bw = p.inter.bandwidth * nics / 1e9
     if be is None and p.nodes > 1:

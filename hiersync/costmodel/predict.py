@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import nccl
+from .compression import compress_ratio, is_quantized, quantized_average_seconds
 from .hierarchy import check_intra_algorithm, flat_allreduce_time, rail_link, two_level_stages
 from .links import all_gather_time, check_number, reduce_scatter_time
 
@@ -46,6 +47,7 @@ __all__ = [
     "explain_allreduce",
     "predict_reduce_scatter",
     "predict_all_gather",
+    "predict_rail_collective",
     "predict_two_level",
     "predict_param_sync",
     "choose_exact_algorithm",
@@ -139,6 +141,27 @@ def _intra_collective(kind: str, nbytes: float, profile: Profile) -> float:
     return all_gather_time("ring", profile.ranks_per_node, n, profile.intra_all_gather or profile.intra)
 
 
+def predict_rail_collective(kind: str, nbytes: float, profile: Profile) -> float:
+    """Seconds for a ``"reduce_scatter"``, ``"all_gather"`` or ``"all_to_all"`` of ``nbytes`` per
+    rank on ``profile``'s rail (one rank per node, every rail at once: :func:`rail_profile`).
+
+    An all-to-all moves what a reduce-scatter moves ((N-1)/N of the input per rank, N-1
+    messages) and is priced as NCCL's ring reduce-scatter of it (an upper bound on its
+    latency), or gloo's alpha-beta ring.
+    """
+    if kind not in ("reduce_scatter", "all_gather", "all_to_all"):
+        raise ValueError(f"unknown rail collective {kind!r}; valid: reduce_scatter, all_gather, all_to_all")
+    n = check_number("nbytes", nbytes)
+    if profile.nodes == 1:
+        return 0.0
+    rail = rail_profile(profile)
+    ring = "all_gather" if kind == "all_gather" else "reduce_scatter"
+    if _uses_nccl(rail):
+        return nccl.ring_collective(ring, n, fabric(rail)).time_s
+    time = all_gather_time if ring == "all_gather" else reduce_scatter_time
+    return time("ring", rail.nodes, n, rail.inter)
+
+
 def predict_reduce_scatter(nbytes: float, profile: Profile) -> float:
     """Seconds for the node's reduce-scatter of an ``nbytes`` input (each rank keeps 1/L)."""
     return _intra_collective("reduce_scatter", nbytes, profile)
@@ -156,6 +179,8 @@ def predict_two_level(
     *,
     reduce: bool = True,
     algorithm: str = "auto",
+    compress: str | None = None,
+    param_bytes: int = 4,
 ) -> tuple[float, float, float]:
     """(intra reduction, rail all-reduce of n/L, intra gather) of hiersync's exact two-level all-reduce.
 
@@ -164,11 +189,21 @@ def predict_two_level(
     all-reduce of the whole bucket and gathers by L shard broadcasts (the calibrated
     ``intra_broadcast`` link). ``reduce=False``: no intra reduction (the period-k parameter
     average, whose ranks of a node already agree): its first leg is 0. ``algorithm``: the
-    rail all-reduce's (:func:`predict_allreduce`).
+    rail all-reduce's (:func:`predict_allreduce`). ``compress="int8"`` / ``"int4"``: the rail
+    leg is the quantized rail average of the shard
+    (:func:`~.compression.quantized_average_seconds`) and the gather moves the quantized bytes;
+    ``nbytes`` is then the full-precision size (other values of ``compress``: pass the bytes
+    actually sent).
     """
     n = check_number("nbytes", nbytes)
     algo = check_intra_algorithm(intra_algorithm, profile.backend)
     lpn = profile.ranks_per_node
+    if compress is not None and is_quantized(compress):
+        if profile.nodes == 1:
+            return 0.0, 0.0, 0.0
+        sent = n * compress_ratio(compress, param_bytes)
+        first, _, last = predict_two_level(sent, profile, intra_algorithm, reduce=reduce, algorithm=algorithm)
+        return first, quantized_average_seconds(n / lpn, profile, compress, param_bytes), last
     if not _uses_nccl(profile):
         rs_link = profile.intra_reduce_scatter if reduce else None
         first, ar, last = two_level_stages(
@@ -189,13 +224,22 @@ def predict_two_level(
 
 
 def predict_param_sync(
-    nbytes: float, profile: Profile, intra_algorithm: str | None = None, algorithm: str = "auto"
+    nbytes: float,
+    profile: Profile,
+    intra_algorithm: str | None = None,
+    algorithm: str = "auto",
+    *,
+    compress: str | None = None,
+    param_bytes: int = 4,
 ) -> float:
     """Seconds for one period-k parameter average of ``nbytes``: the rail all-reduce of each
-    rank's 1/L shard and the node's gather (no intra reduction: the ranks of a node agree)."""
+    rank's 1/L shard and the node's gather (no intra reduction: the ranks of a node agree).
+    ``compress``: as :func:`predict_two_level`."""
     if profile.nodes == 1:
         return 0.0
-    _, ar, gather = predict_two_level(nbytes, profile, intra_algorithm, reduce=False, algorithm=algorithm)
+    _, ar, gather = predict_two_level(
+        nbytes, profile, intra_algorithm, reduce=False, algorithm=algorithm, compress=compress, param_bytes=param_bytes
+    )
     return ar + gather
 
 

@@ -86,6 +86,9 @@ class Profile:
     ``python -m hiersync calibrate`` on other fabrics."""
     channels: int = 16
     """NCCL's ring/tree channels; only its per-channel bandwidth caps read it."""
+    quant_gbps: float | None = None
+    """GB/s of fp32 input one quantize or dequantize pass of ``compress="int8"/"int4"`` processes;
+    None: :data:`~.compression.DEFAULT_QUANT_GBPS` (a conservative GPU rate, not measured)."""
     forward_s: float | None = None
     """Forward (+ optimizer) compute time per step of the model to plan, where measured; None: unknown."""
     backward_s: float | None = None
@@ -103,7 +106,7 @@ class Profile:
                 raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
         check_topology(self.nodes, self.ranks_per_node, self.rails)
         check_efficiency(self.tree_efficiency)
-        for name in ("copy_gbps", "forward_s", "backward_s"):
+        for name in ("copy_gbps", "forward_s", "backward_s", "quant_gbps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"Profile.{name} must be a number > 0 or None (unknown), got {value!r}")
@@ -165,6 +168,7 @@ class Profile:
             "intra_link": self.intra_link,
             "net_latency_us": self.net_latency_us,
             "channels": self.channels,
+            "quant_gbps": self.quant_gbps,
             "copy_gbps": self.copy_gbps,
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
@@ -201,6 +205,7 @@ class Profile:
             intra_link=obj.get("intra_link", "nvlink"),
             net_latency_us=obj.get("net_latency_us", 0.0),
             channels=obj.get("channels", 16),
+            quant_gbps=obj.get("quant_gbps"),
             copy_gbps=obj.get("copy_gbps"),
             forward_s=obj.get("forward_s"),
             backward_s=obj.get("backward_s"),

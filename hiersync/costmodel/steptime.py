@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from hiersync.vocab import Placement
 
+from .compression import compress_ratio as compress_ratio_of
+from .compression import is_quantized
 from .hierarchy import FLAT_ALGORITHMS, check_intra_algorithm, check_topology
 from .links import Link, check_count, check_number
 from .predict import node_profile, predict_allreduce, predict_param_sync, predict_two_level
@@ -125,6 +127,8 @@ def step_time(
     fragments: int = 1,
     overlap: int | bool = 0,
     copy_s_per_byte: float = DEFAULT_COPY_S_PER_BYTE,
+    compress: str | None = None,
+    param_bytes: int = 4,
 ) -> StepTime:
     """Predict per-step communication and exposed time of one schedule.
 
@@ -152,6 +156,12 @@ def step_time(
     overlap=0`` with ``placement="optimizer"`` is the blocking whole-model average,
     ``overlap=1`` the ``"overlap"`` placement. ``copy_s_per_byte``: cost of the
     launch copies of each fragment (:func:`.streaming.launch_copy_bytes`), exposed (default 0: free).
+
+    ``compress`` (None, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``) prices the period-k
+    average's bits per element (:mod:`.compression`; ``param_bytes`` per parameter, fp32 by
+    default): 16-bit values are all-reduced on the rail, int8/int4 go through the quantized rail
+    average (all-to-all, fp32 sum, requantize, all-gather, and the quantize passes).
+    ``compress_ratio`` is the older way to say the bytes sent per byte (all-reduced); give one.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -181,6 +191,12 @@ def step_time(
     backward = check_number("backward_s", backward_s)
     compute = backward if compute_s is None else check_number("compute_s", compute_s)
     ratio = check_number("compress_ratio", compress_ratio, strict=True)
+    quant = None
+    if compress is not None:
+        if ratio != 1.0:
+            raise ValueError(f"give compress={compress!r} or compress_ratio={ratio!r}, not both")
+        ratio = compress_ratio_of(compress, param_bytes)
+        quant = compress if is_quantized(compress) else None
     n_nodes = profile.nodes if nodes is None else nodes
     lpn = profile.ranks_per_node if ranks_per_node is None else ranks_per_node
     check_topology(n_nodes, lpn, profile.rails)
@@ -193,7 +209,9 @@ def step_time(
     local = replace(node_profile(shaped), inter=_NO_LINK, rails=None, net_latency_us=0.0, metadata={})
 
     def run(kind: str) -> tuple[float, float]:
-        return _run_buckets(kind, g, b, backward, local if kind == "intra" else shaped, algo, intra_algo, ratio)
+        return _run_buckets(
+            kind, g, b, backward, local if kind == "intra" else shaped, algo, intra_algo, ratio, quant, param_bytes
+        )
 
     k = period
     peak_bytes = mean_bytes = 0.0
@@ -218,7 +236,11 @@ def step_time(
             else:
                 comm, exposed, peak_exposed, peak_bytes, mean_bytes = _after_step(
                     comm, exposed, k, n_frag, tau, g / n_frag, compute, copy_beta, ratio, n_nodes, lpn,
-                    lambda n: predict_param_sync(n * ratio, shaped, intra_algo, algo),
+                    lambda n: (
+                        predict_param_sync(n, shaped, intra_algo, algo, compress=quant, param_bytes=param_bytes)
+                        if quant
+                        else predict_param_sync(n * ratio, shaped, intra_algo, algo)
+                    ),
                 )  # fmt: skip
     return StepTime(
         label=label,
@@ -248,6 +270,8 @@ def _run_buckets(
     algo: str,
     intra_algo: str,
     ratio: float,
+    quant: str | None = None,
+    param_bytes: int = 4,
 ) -> tuple[float, float]:
     """(busy, exposed) seconds of one step's bucket chains of ``kind``: ``"flat"``, ``"intra"``,
     ``"two_level"`` or ``"sync"`` (intra all-reduce then the bucket's parameter average), on
@@ -271,7 +295,10 @@ def _run_buckets(
                 rs, ar, ag = predict_two_level(n, profile, intra_algo, algorithm=algo)
                 cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
             else:  # intra all-reduce of the gradient, then the bucket's parameter average
-                _, ar, ag = predict_two_level(n * ratio, profile, intra_algo, reduce=False, algorithm=algo)
+                sent = n if quant else n * ratio  # a quantized average prices its own bytes
+                _, ar, ag = predict_two_level(
+                    sent, profile, intra_algo, reduce=False, algorithm=algo, compress=quant, param_bytes=param_bytes
+                )
                 cache[key] = [*chain("intra", n), ("rail", ar), ("intra", ag)]
         return cache[key]
 
