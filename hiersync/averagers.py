@@ -33,6 +33,7 @@ import torch
 
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
+from .quant import BlockCodec
 from .sync import Launched
 from .vocab import GATHER_PIECE_BYTES
 
@@ -49,10 +50,16 @@ class ChunkState:
     lo: int  # this rank's shard starts here (flat coordinates)
     anchor: torch.Tensor | None = None  # (s,) fp32
     momentum: torch.Tensor | None = None  # (s,) fp32
+    residual: torch.Tensor | None = None  # (s,) fp32: what the codes of this shard's deltas left out
+    reduced_residual: torch.Tensor | None = None  # fp32: the same for the piece this rank reduces
 
     @property
     def n(self) -> int:
         return self.offsets[-1]
+
+
+_STATE = ("anchor", "momentum", "residual", "reduced_residual")
+"""What a chunk keeps between syncs (and checkpoints)."""
 
 
 class RailAverager:
@@ -89,6 +96,8 @@ class RailAverager:
         # torchft's backup device; the maths runs on the parameters' device on transient copies.
         self.state_device = torch.device(state_device) if state_device is not None else None
         self.transfer = transfer if transfer is not None else comm.average_shard
+        self.codec = compress if isinstance(compress, BlockCodec) else None
+        """int8/int4: block-quantized deltas with error feedback (:mod:`hiersync.quant`)."""
         self._chunks: dict[tuple[int, ...], ChunkState] = {}
         self._loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
 
@@ -186,16 +195,61 @@ class RailAverager:
         x = self._shard_of(c)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
-        if self.compress is not None:
+        if self.codec is not None:
+            future = self._launch_quantized(c, x)
+        elif self.compress is not None:
             assert c.anchor is not None
             anchor = self._here(c.anchor, x.device)
             delta = torch.sub(x, anchor) if keep_snapshot else x.sub_(anchor)
             payload = delta.to(self.compress)
             del delta
+            future = self.transfer(payload)
         else:
             payload = x.clone() if keep_snapshot else x  # the transfer overwrites its payload
-        future = self.transfer(payload)
+            future = self.transfer(payload)
         return Launched(c.indices, future, snapshot=x if keep_snapshot else None)
+
+    def _launch_quantized(self, c: ChunkState, x: torch.Tensor) -> torch.futures.Future:
+        """Send ``x - anchor`` (plus what earlier codes left out) as block codes, one piece per node.
+
+        The future holds the rail's averaged delta, decoded (fp32, the shard's length).
+        """
+        codec = self.codec
+        assert codec is not None and c.anchor is not None
+        N = self.comm.rail_nodes()
+        padded = codec.padded(c.s, N)
+        e = torch.zeros(padded, dtype=torch.float32, device=x.device)
+        torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
+        if c.residual is not None:
+            e[: c.s].add_(self._here(c.residual, x.device))
+        packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
+        left = e.sub_(codec.decode_pieces(packed, padded, N))[: c.s]  # what these codes leave out
+        if c.residual is None:
+            c.residual = self._store(left.clone())
+        else:
+            c.residual.copy_(left, non_blocking=True)
+        n = padded // N  # values per piece
+        nbytes = codec.packed_bytes(n)
+
+        def reduce(received: torch.Tensor) -> torch.Tensor:
+            # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
+            mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / N
+            assert isinstance(mean, torch.Tensor)
+            r = c.reduced_residual
+            if r is not None and r.numel() == n:  # (a different number of nodes starts afresh)
+                mean.add_(self._here(r, mean.device))
+            out = codec.encode(mean)
+            left = mean.sub_(codec.decode(out, n))
+            if r is not None and r.numel() == n:
+                r.copy_(left, non_blocking=True)
+            else:
+                c.reduced_residual = self._store(left)
+            return out
+
+        def decoded(f: torch.futures.Future) -> torch.Tensor:
+            return codec.decode_pieces(wait(f), padded, N)[: c.s]
+
+        return then(self.comm.average_quantized(packed, reduce), decoded, x.device, "the quantized rail average")
 
     def complete(self, launched: Launched) -> torch.Tensor:
         return self._complete(self.chunk(launched.indices), launched)
@@ -276,9 +330,9 @@ class RailAverager:
             "split": self.split,
             "index": self.index,
             "chunks": [
-                {"indices": list(c.indices), "anchor": saved(c.anchor), "momentum": saved(c.momentum)}
+                {"indices": list(c.indices)} | {key: saved(getattr(c, key)) for key in _STATE}
                 for c in self._chunks.values()
-                if c.anchor is not None or c.momentum is not None
+                if any(getattr(c, key) is not None for key in _STATE)
             ],
         }
 
@@ -299,10 +353,10 @@ class RailAverager:
         device = self._device(c)
         for saved in self._loaded:
             if tuple(saved["indices"]) == c.indices:
-                for key in ("anchor", "momentum"):
+                for key in _STATE:
                     t = saved.get(key)
                     if t is not None:
-                        if t.numel() != c.s:
+                        if t.numel() != c.s and key != "reduced_residual":
                             raise ValueError(
                                 f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
                                 f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
@@ -323,6 +377,12 @@ class ReplicatedNodeAverager(RailAverager):
         even = topo.even and topo.num_nodes > 1
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
         super().__init__(comm, registry, transfer=transfer, **options)
+        if self.codec is not None and not topo.even:
+            raise ValueError(
+                f"compress={self.codec.name!r} needs nodes with equal numbers of ranks (its rail average is an "
+                f"all-to-all on every rail); this job's nodes hold {[len(n) for n in topo.nodes]} ranks: use "
+                "compress='bf16' here"
+            )
         if even:
             self.split, self.index = comm.groups.node_size, comm.groups.local_rank
         self.hook = hook

@@ -331,6 +331,55 @@ class HierComm:
         fut = then(fut, lambda f: wait(f)[0], shard.device, phase)
         return span("hiersync/inter_param_allreduce", fut)
 
+    def average_quantized(
+        self, packed: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.futures.Future:
+        """Average a quantized shard on the rail: all-to-all, reduce, all-gather (even nodes only).
+
+        ``packed`` holds :meth:`rail_nodes` pieces of equal bytes (codes and scales of
+        consecutive blocks, :mod:`hiersync.quant`); rank ``j`` of the rail receives piece
+        ``j`` of every node, ``reduce(received)`` (run once they are in, on hiersync's side
+        stream) turns those ``N`` pieces into this rank's averaged piece, and the rail
+        all-gathers the averaged pieces. The future holds the gathered bytes (``N`` pieces,
+        in piece order). Both legs go through the rail's :class:`Sequencer`, in the order
+        of these calls on every rank.
+        """
+        N = self.rail_nodes()
+        if N == 1:
+            return completed(reduce(packed), packed.device)
+        if packed.numel() % N:
+            raise ValueError(f"average_quantized: {packed.numel()} bytes do not split into {N} pieces")
+        piece = packed.numel() // N
+        received = torch.empty_like(packed)
+        phase = self._phase("inter all-to-all of quantized pieces on the rail")
+        self.stats.record(INTER, "all_to_all", N, packed.numel())
+        first = self._seq_rail.submit(
+            completed(None, packed.device),
+            lambda: self.rail_all_to_all(received, packed, phase),
+            packed.device,
+            phase,
+        )
+        cell: list[torch.Tensor] = []
+
+        def gather() -> torch.futures.Future:
+            mine = reduce(received)
+            if mine.numel() != piece:
+                raise ValueError(f"average_quantized: the reduced piece has {mine.numel()} bytes, expected {piece}")
+            cell.append(torch.empty(N * piece, dtype=packed.dtype, device=packed.device))
+            return self.rail_all_gather(cell[0], mine, "inter all-gather of averaged pieces on the rail")
+
+        self.stats.record(INTER, "all_gather", N, N * piece)
+        done = self._seq_rail.submit(first, gather, packed.device, self._phase("inter all-gather of averaged pieces"))
+        return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
+
+    def rail_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it (see :meth:`rail_allreduce`)."""
+        return issue(dist.all_to_all_single, out, tensor, group=self.groups.rail, what=what)
+
+    def rail_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Every rail rank's ``tensor`` into ``out``, in rail order (see :meth:`rail_allreduce`)."""
+        return issue(all_gather, out, tensor, group=self.groups.rail, what=what)
+
     def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
         """All-gather the node's shards (``L * len(shard)`` values) into ``out``; the future holds it."""
         L = self.groups.node_size

@@ -48,7 +48,7 @@ from .futures import HierSyncError, new_future, settle, then, wait, when_all, wr
 from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import HookAverager, HookLaunch, options_of
 from .sync import world_mean
-from .vocab import StepKind
+from .vocab import COMPRESS_CODES, StepKind
 
 __all__ = ["HierState", "hook", "register", "HierSyncError"]
 
@@ -85,7 +85,9 @@ class HierState(SyncState):
     def __init__(self, period: int = 1, warmup_steps: int = 0, **kwargs: Any) -> None:
         super().__init__(period, warmup_steps, **kwargs)
         cfg, comm = self.config, self.comm
-        self.averager = self.hook_averager = HookAverager(comm, self.registry, **options_of(cfg))
+        opts = options_of(cfg)
+        in_hook = opts if cfg.compress not in COMPRESS_CODES else dict(opts, compress=None)  # (refused there)
+        self.averager = self.hook_averager = HookAverager(comm, self.registry, **in_hook)
         """The sync step's average inside the hook (no optimizer attached)."""
         # After optimizer.step() (an attached optimizer): each rank keeps the state of its 1/L shard.
         self._use(

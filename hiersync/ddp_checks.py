@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .topology import Topology
+from .vocab import COMPRESS_CODES
 
 if TYPE_CHECKING:
     from .frontend import SyncState
@@ -70,6 +71,12 @@ def check_usable(state: SyncState) -> None:
             "again) after every init_process_group, e.g. after an elastic restart"
         )
     cfg = state.config
+    if cfg.compress in COMPRESS_CODES and state._optimizer is None:
+        raise RuntimeError(
+            f"HierState(compress={cfg.compress!r}) needs an optimizer: its error feedback is kept by the sync "
+            "after optimizer.step(); call state.attach_optimizer(optimizer) before training (or "
+            "hiersync.register(model, optimizer, ...)), or use compress='bf16' in the hook"
+        )
     if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
         raise RuntimeError(
             f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after "

@@ -35,6 +35,8 @@ import torch
 
 from .collectives import HierComm
 from .futures import wait
+from .quant import codec_for
+from .vocab import COMPRESS_CODES
 
 __all__ = [
     "Registry",
@@ -51,8 +53,13 @@ _PAYLOAD_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def options_of(cfg: Any) -> dict[str, Any]:
-    """The averager options of a :class:`~hiersync.config.HierConfig` (payload dtype, outer step)."""
-    return {"compress": _PAYLOAD_DTYPES[cfg.compress], "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
+    """The averager options of a :class:`~hiersync.config.HierConfig`: the payload (a 16-bit
+    dtype, or a :class:`~hiersync.quant.BlockCodec`) and the outer step."""
+    if cfg.compress in COMPRESS_CODES:
+        compress: Any = codec_for(cfg.compress)
+    else:
+        compress = _PAYLOAD_DTYPES[cfg.compress]
+    return {"compress": compress, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
 
 
 def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:

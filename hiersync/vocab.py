@@ -38,7 +38,9 @@ __all__ = [
     "INTRA_ALGORITHMS",
     "default_intra_algorithm",
     "GATHER_PIECE_BYTES",
+    "QUANT_BLOCK",
     "COMPRESS_DTYPES",
+    "COMPRESS_CODES",
     "NONFINITE_MODES",
     "KiB",
     "MiB",
@@ -173,7 +175,12 @@ GATHER_PIECE_BYTES = MiB
 most 4 pieces per chunk: the reused gather buffer holds at most 1/4 of a chunk, and a big
 fragment costs 4 collectives per rank instead of one per MiB."""
 
+QUANT_BLOCK = 128
+"""Values per fp32 scale of an int8/int4 payload (:mod:`hiersync.quant`; docs/local-sgd.md)."""
+
 COMPRESS_DTYPES = ("bf16", "fp16")
 """16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""
+COMPRESS_CODES = ("int8", "int4")
+"""Block-quantized payloads: deltas against the fp32 anchor with error feedback (:mod:`hiersync.quant`)."""
 NONFINITE_MODES = ("skip", "raise", "ignore")
 """What a NaN/Inf gradient does: skip the update, raise, or no check at all."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hiersync.vocab import QUANT_BLOCK
+
 from .links import check_number
 
 if TYPE_CHECKING:
@@ -43,8 +45,6 @@ __all__ = [
     "quantized_average_seconds",
 ]
 
-QUANT_BLOCK = 128
-"""Elements per fp32 scale of an int8/int4 block (the default block size)."""
 SCALE_BITS = 32
 COMPRESS_OPTIONS = ("none", "bf16", "fp16", "int8", "int4")
 """``"none"`` stands for ``compress=None`` on the command line."""

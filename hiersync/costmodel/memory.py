@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hiersync.vocab import MiB
+from hiersync.vocab import GATHER_PIECE_BYTES
 
 from .links import check_count, check_number
 
@@ -28,8 +28,6 @@ __all__ = ["FP32_BYTES", "GATHER_PIECE_BYTES", "SyncMemory", "sync_memory"]
 
 FP32_BYTES = 4
 """The anchor and the outer momentum are fp32 whatever the parameters' dtype."""
-GATHER_PIECE_BYTES = MiB
-"""The node gather moves finished shards in pieces of 1 MiB per rank through one reused buffer."""
 
 
 @dataclass(frozen=True, kw_only=True)
