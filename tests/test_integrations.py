@@ -227,7 +227,7 @@ def _lightning_scenarios(root: str) -> dict:
             self.at_validation.append(_flat(self.net))
 
         def on_train_end(self):
-            self.at_train_end = _flat(self.net)  # before HierSyncCallback's synchronize at fit end
+            self.at_train_end = _flat(self.net)  # after HierSyncCallback.on_train_end (callbacks run first)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
