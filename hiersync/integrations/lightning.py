@@ -23,8 +23,13 @@ from . import _per_rank
 
 try:
     import lightning.pytorch as pl
-except ImportError:  # pragma: no cover - the standalone package
-    import pytorch_lightning as pl  # type: ignore[no-redef]
+except ImportError:  # pragma: no cover - the standalone package, or none
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "hiersync.integrations.lightning needs lightning (or pytorch_lightning): pip install 'hiersync[lightning]'"
+        ) from e
 
 __all__ = ["HierSyncCallback"]
 
