@@ -11,6 +11,7 @@ guard's hooks around ``optimizer.step()``, checkpoints (:mod:`hiersync.state_io`
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -121,11 +122,25 @@ class SyncState:
 
         Each rank saves its own (its shard of the local-SGD state). Syncs in flight are
         finished and saved as corrections still to apply (see :mod:`hiersync.state_io`).
+        Called by Accelerate's ``save_state`` (the state was given to
+        ``accelerator.register_for_checkpointing``), which writes rank 0's copy only, it
+        returns every rank's state instead (:mod:`hiersync.integrations.accelerate`).
         """
+        if sys._getframe(1).f_globals.get("__name__") == "accelerate.checkpointing":
+            from .integrations import accelerate
+
+            return accelerate.rank_states_of(self).state_dict()
         return state_io.save(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Call before the first backward after a restart."""
+        from .integrations import _per_rank
+
+        if _per_rank.is_per_rank(state_dict):  # what state_dict() gave Accelerate's save_state
+            from .integrations import accelerate
+
+            accelerate.rank_states_of(self).load_state_dict(state_dict)
+            return
         state_io.load(self, state_dict)
 
     def drain(self) -> None:

@@ -1,8 +1,8 @@
 """Smoke tests of examples/: each LM script trains a few steps under torchrun on loopback.
 
 4 ranks as 2 emulated nodes x 2 (``HIERSYNC_NODE_IDS=0,0,1,1``) for the torchrun and
-Accelerate examples; the Lightning example (whose import alone costs seconds per rank) on
-2 ranks as 2 nodes x 1. Each must print a finite ``final val loss`` below its initial one.
+Accelerate examples; the Lightning and HF Trainer examples (whose imports alone cost seconds
+per rank) on 2 ranks as 2 nodes x 1. Each must print a finite ``final val loss`` below its initial one.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _run(script: str, nproc: int, *extra: str, timeout: float = 90.0) -> tuple[f
         ("lm_torchrun.py", 4, ()),
         ("lm_accelerate.py", 4, ("--fragments", "2", "--overlap", "1")),
         ("lm_lightning.py", 2, ()),
+        ("lm_trainer.py", 2, ()),
     ],
 )
 def test_example_trains(script: str, nproc: int, extra: tuple[str, ...]) -> None:

@@ -46,7 +46,16 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- Accelerate
-def _accel_run(period: int | None, start: int, stop: int, save_dir: str | None, load_dir: str | None) -> dict:
+def _accel_run(
+    period: int | None,
+    start: int,
+    stop: int,
+    save_dir: str | None,
+    load_dir: str | None,
+    register: str = "rank_states",
+) -> dict:
+    """``register``: what goes to ``accelerator.register_for_checkpointing``: ``RankStates(state, model, opt)``
+    ("rank_states") or the bare ``HierState`` ("state"), as a user who has not read the docs would."""
     import torch.distributed as dist
     from accelerate import Accelerator
 
@@ -61,7 +70,7 @@ def _accel_run(period: int | None, start: int, stop: int, save_dir: str | None, 
     state = None
     if period is not None:
         state = hiersync.register(model, opt, period=period)
-        accelerator.register_for_checkpointing(RankStates(state, model, opt))
+        accelerator.register_for_checkpointing(RankStates(state, model, opt) if register == "rank_states" else state)
     if load_dir is not None:
         accelerator.load_state(load_dir)
     rank = dist.get_rank()
@@ -76,26 +85,56 @@ def _accel_run(period: int | None, start: int, stop: int, save_dir: str | None, 
         if save_dir is not None and step + 1 == SAVE_AT:
             accelerator.save_state(save_dir)
     stats = state.stats.as_dict() if state is not None else None
+    step = state.step if state is not None else None
     if state is not None:
         state.close()
-    return {"per_step": per_step, "stats": stats}
+    return {"per_step": per_step, "stats": stats, "step": step}
 
 
-def _accelerate_scenarios(ckpt: str) -> dict:
+def _accel_unsaveable(save_dir: str) -> str:
+    """The bare ``HierState`` of a pure hook (no attached optimizer) registered for checkpointing:
+    ``save_state`` must refuse it, naming the fix, on every rank."""
+    from accelerate import Accelerator
+
+    import hiersync
+
+    accelerator = Accelerator(cpu=True)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = accelerator.prepare(model, opt)
+    state = hiersync.register(model, None, period=4)
+    accelerator.register_for_checkpointing(state)
+    x, y = _batch(0, 0)
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    try:
+        accelerator.save_state(save_dir)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    finally:
+        state.close()
+    return "saved"
+
+
+def _accelerate_scenarios(root: str) -> dict:
     _elastic_env()
+    ckpt, natural = os.path.join(root, "state"), os.path.join(root, "natural")
     return {
         "ddp": _accel_run(None, 0, STEPS, None, None),
         "p1": _accel_run(1, 0, STEPS, None, None),
         "p4": _accel_run(4, 0, STEPS, ckpt, None),
         "p4_resumed": _accel_run(4, SAVE_AT, STEPS, None, ckpt),
+        "p4_natural": _accel_run(4, 0, SAVE_AT, natural, None, register="state"),
+        "p4_natural_resumed": _accel_run(4, SAVE_AT, STEPS, None, natural, register="state"),
+        "unsaveable": _accel_unsaveable(os.path.join(root, "unsaveable")),
     }
 
 
 @pytest.fixture(scope="module")
 def accelerate_results(tmp_path_factory):
     pytest.importorskip("accelerate")
-    ckpt = str(tmp_path_factory.mktemp("accel") / "state")
-    return run(_accelerate_scenarios, 4, (ckpt,), node_ids=NODES, timeout=120)
+    root = str(tmp_path_factory.mktemp("accel"))
+    return run(_accelerate_scenarios, 4, (root,), node_ids=NODES, timeout=120)
 
 
 def test_accelerate_period1_equals_ddp(accelerate_results):
@@ -124,6 +163,26 @@ def test_accelerate_save_load_state_resumes_exactly(accelerate_results):
             assert torch.equal(a, b)
 
 
+def test_accelerate_bare_state_registered_for_checkpointing_resumes_exactly(accelerate_results):
+    # accelerator.register_for_checkpointing(state): Accelerate writes registered objects from rank 0
+    # only, yet every rank resumes its own model, optimizer and hiersync state
+    for r in accelerate_results:
+        resumed = r["p4_natural_resumed"]["per_step"]
+        uninterrupted = r["p4"]["per_step"][SAVE_AT:]
+        assert len(resumed) == len(uninterrupted) == STEPS - SAVE_AT
+        for a, b in zip(uninterrupted, resumed, strict=True):
+            assert torch.equal(a, b)
+        assert r["p4_natural_resumed"]["step"] == STEPS
+        assert r["p4_natural_resumed"]["stats"]["sync_steps"] == r["p4"]["stats"]["sync_steps"] == STEPS // 4
+
+
+def test_accelerate_refuses_at_save_what_it_could_not_resume(accelerate_results):
+    # a state that knows no optimizer cannot bring the others' optimizer states along: save_state
+    # fails on every rank, before the training it protects is spent, and names the fix
+    for r in accelerate_results:
+        assert "RankStates(state, model, optimizer)" in r["unsaveable"], r["unsaveable"]
+
+
 # ---------------------------------------------------------------------------- Lightning
 BATCHES = 6  # per rank per epoch: a checkpoint at the end of epoch 0 is mid-period for period=4
 EPOCHS = 2
@@ -145,15 +204,16 @@ def _lightning_scenarios(root: str) -> dict:
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
 
     class Module(pl.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, by_step: bool = False) -> None:
             super().__init__()
             self.net = _net()
+            self.by_step = by_step  # this rank's batch of the global step, whatever the loader yields
             self.after_batch: list[torch.Tensor] = []
             self.at_train_end: torch.Tensor | None = None
             self.at_validation: list[torch.Tensor] = []
 
         def training_step(self, batch, batch_idx):
-            xb, yb = batch
+            xb, yb = _batch(self.global_rank, self.global_step) if self.by_step else batch
             return torch.nn.functional.mse_loss(self.net(xb), yb)
 
         def validation_step(self, batch, batch_idx):
@@ -167,18 +227,18 @@ def _lightning_scenarios(root: str) -> dict:
             self.at_validation.append(_flat(self.net))
 
         def on_train_end(self):
-            self.at_train_end = _flat(self.net)  # before HierSyncCallback's synchronize at fit end
+            self.at_train_end = _flat(self.net)  # after HierSyncCallback.on_train_end (callbacks run first)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    def fit(callbacks: list, ckpt_path: str | None = None, val: bool = False, **kw) -> Module:
-        module = Module()
+    def fit(callbacks: list, ckpt_path: str | None = None, val: bool = False, by_step: bool = False, **kw) -> Module:
+        module = Module(by_step)
+        kw.setdefault("max_epochs", EPOCHS)
         trainer = pl.Trainer(
             strategy=DDPStrategy(cluster_environment=TorchElasticEnvironment()),
             accelerator="cpu",
             devices=dist.get_world_size(),
-            max_epochs=EPOCHS,
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -191,6 +251,7 @@ def _lightning_scenarios(root: str) -> dict:
         loader = DataLoader(data, batch_size=2, shuffle=False)
         trainer.fit(module, loader, DataLoader(data, batch_size=8) if val else None, ckpt_path=ckpt_path)
         module.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # type: ignore[assignment]
+        module.trainer_ = trainer  # type: ignore[assignment]
         return module
 
     out: dict = {}
@@ -210,6 +271,22 @@ def _lightning_scenarios(root: str) -> dict:
     m = fit([HierSyncCallback(period=4)], val=True, check_val_every_n_epoch=1, limit_val_batches=1)
     out["val_synced"] = m.after_batch[BATCHES - 1]  # the params validation of epoch 0 synchronized from
     out["val_seen"] = m.at_validation
+    # trainer.save_checkpoint after fit() returned (mid-period), then a longer fit from it. Batches by
+    # global step: resumed from such a checkpoint, Lightning replays the first batch of the finished epoch
+    # as one more epoch before the next (lightning 2.6), so the loader's batches would not line up.
+    steps = dict(by_step=True, max_epochs=-1)
+    cb = HierSyncCallback(period=4)
+    out["by_step"] = {
+        "after_batch": fit([cb], max_steps=2 * BATCHES, **steps).after_batch,
+        "stats": cb.state.stats.as_dict(),
+    }
+    for name, keep in (("after_fit", {"sync_at_fit_end": False}), ("after_fit_synced", {})):
+        path = os.path.join(root, f"{name}.ckpt")
+        m = fit([HierSyncCallback(period=4, **keep)], max_steps=BATCHES, **steps)
+        m.trainer_.save_checkpoint(path)
+        cb = HierSyncCallback(period=4, **keep)
+        m = fit([cb], ckpt_path=path, max_steps=2 * BATCHES, **steps)
+        out[name] = {"after_batch": m.after_batch, "step": cb.state.step, "stats": cb.state.stats.as_dict()}
     return out
 
 
@@ -250,6 +327,23 @@ def test_lightning_checkpoint_resume_exact(lightning_results):
         for a, b in zip(uninterrupted, resumed, strict=True):
             assert torch.equal(a, b)
         assert torch.equal(r["p4"]["train_end"], r["p4_resumed"]["train_end"])
+
+
+def test_lightning_checkpoint_saved_after_fit_continues_the_schedule(lightning_results):
+    reference = lightning_results[0]["by_step"]["stats"]
+    assert reference["sync_steps"] == 2 * BATCHES // 4
+    for r in lightning_results:
+        # kept per rank (no synchronize at the end of the first fit): bitwise the uninterrupted run
+        resumed = r["after_fit"]["after_batch"]
+        uninterrupted = r["by_step"]["after_batch"][BATCHES:]
+        assert len(resumed) == len(uninterrupted) == BATCHES
+        for a, b in zip(uninterrupted, resumed, strict=True):
+            assert torch.equal(a, b)
+        # synchronized at the end of the first fit (the default): the schedule goes on from step BATCHES
+        for name in ("after_fit", "after_fit_synced"):
+            assert r[name]["step"] == 2 * BATCHES, name
+            for k in ("steps", "sync_steps", "local_steps", "exact_steps"):
+                assert r[name]["stats"][k] == reference[k], (name, k)
 
 
 def test_lightning_synchronizes_before_validation(lightning_results):

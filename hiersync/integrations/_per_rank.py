@@ -25,9 +25,14 @@ def gather(entry: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "world_size": world, "ranks": out}
 
 
+def is_per_rank(saved: Any) -> bool:
+    """Whether ``saved`` is a :func:`gather` result."""
+    return isinstance(saved, dict) and saved.get("format") == FORMAT
+
+
 def pick(saved: Any, what: str) -> dict[str, Any]:
     """This rank's entry of a :func:`gather` result read back from rank 0's file."""
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+    if not is_per_rank(saved):
         raise ValueError(f"{what}: not a hiersync per-rank checkpoint entry (missing or wrong 'format')")
     world, rank = dist.get_world_size(), dist.get_rank()
     if saved["world_size"] != world:

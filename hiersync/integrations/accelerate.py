@@ -4,14 +4,16 @@
 (the DDP-wrapped model, the ``AcceleratedOptimizer``). For checkpoints::
 
     state = hiersync.register(model, opt, period=4)
-    accelerator.register_for_checkpointing(RankStates(state, model, opt))
+    accelerator.register_for_checkpointing(state)   # or RankStates(state, model, opt): the same
 
 Accelerate writes the model, the optimizer and registered objects from the main process
 only, but between cross-node syncs every rank's parameters, optimizer state and hiersync
 state may differ. :class:`RankStates` gathers all ranks' (model, optimizer, hiersync) states
 into the object Accelerate writes, and on ``load_state`` (which loads registered objects
-after the model and optimizer) puts back this rank's own. This module does not import
-``accelerate``.
+after the model and optimizer) puts back this rank's own. A :class:`~hiersync.HierState`
+registered itself does the same through :func:`rank_states_of` (it knows its model and
+optimizer from :func:`hiersync.register`); one that knows no optimizer is refused at
+``save_state``. This module does not import ``accelerate``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ..ddp import HierState
+from ..frontend import SyncState
 from . import _per_rank
 
-__all__ = ["RankStates"]
+__all__ = ["RankStates", "rank_states_of"]
 
 
 class RankStates:
@@ -38,7 +40,7 @@ class RankStates:
 
     def __init__(
         self,
-        state: HierState,
+        state: SyncState,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
@@ -61,3 +63,21 @@ class RankStates:
         if self.optimizer is not None and "optimizer" in entry:
             self.optimizer.load_state_dict(entry["optimizer"])
         self.state.load_state_dict(entry["hier"])
+
+
+def rank_states_of(state: SyncState) -> RankStates:
+    """``RankStates(state, model, optimizer)`` for a state given to ``register_for_checkpointing`` itself.
+
+    The model and optimizer are those :func:`hiersync.register` bound the state to. A state
+    without them (the hook registered by hand, no attached optimizer, or closed) cannot bring
+    the other ranks' states along: ``TypeError`` naming the fix, at ``save_state`` time.
+    """
+    missing = [name for name, obj in (("model", state._model), ("optimizer", state._optimizer)) if obj is None]
+    if missing:
+        raise TypeError(
+            "accelerator.register_for_checkpointing(state) with a HierState that knows no "
+            f"{' and no '.join(missing)}: Accelerate writes registered objects from rank 0 only, and between "
+            "cross-node syncs every rank holds its own model, optimizer and hiersync state. Register "
+            "RankStates(state, model, optimizer) instead (from hiersync.integrations.accelerate import RankStates)"
+        )
+    return RankStates(state, state._model, state._optimizer)

@@ -23,8 +23,13 @@ from . import _per_rank
 
 try:
     import lightning.pytorch as pl
-except ImportError:  # pragma: no cover - the standalone package
-    import pytorch_lightning as pl  # type: ignore[no-redef]
+except ImportError:  # pragma: no cover - the standalone package, or none
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+    except ImportError as e:
+        raise ImportError(
+            "hiersync.integrations.lightning needs lightning (or pytorch_lightning): pip install 'hiersync[lightning]'"
+        ) from e
 
 __all__ = ["HierSyncCallback"]
 
@@ -43,8 +48,9 @@ class HierSyncCallback(pl.Callback):
     * ``sync_before_validation``: ``state.synchronize(model)`` before each validation run
       of ``fit`` (not the sanity check): every rank evaluates the same world-mean model. It
       acts as an extra cross-node sync, so it changes the training trajectory.
-    * ``sync_at_fit_end``: ``state.synchronize(model)`` at the end of ``fit``, so the
-      weights you use or save afterwards are the same on every rank.
+    * ``sync_at_fit_end``: ``state.synchronize(model)`` when training ends (``on_train_end``,
+      while the model is still wrapped and on its device), so the weights you use or save
+      afterwards are the same on every rank.
     * ``per_rank_checkpoint``: Lightning writes one checkpoint from rank 0, but ranks of
       different nodes hold different parameters, optimizer states and hiersync states
       between syncs. The callback gathers every rank's (model, optimizers, hiersync) state
@@ -53,7 +59,9 @@ class HierSyncCallback(pl.Callback):
       restored rank 0's), so the resumed run is bitwise the uninterrupted one. With
       ``False`` only the hiersync states are gathered; resume is then exact only for a
       checkpoint taken when all ranks held the same values. A checkpoint from another world
-      size raises ``ValueError``.
+      size raises ``ValueError``. ``trainer.save_checkpoint(path)`` after ``fit`` returned
+      works the same way: the hiersync state as training ended is kept for it, so a later
+      ``fit(ckpt_path=path)`` continues the schedule (step counter, period, warmup) from there.
     * ``log_stats``: logs this rank's ``state.stats`` each training batch through
       ``pl_module.log_dict`` (``hiersync/inter_bytes``, ``hiersync/intra_bytes``,
       ``hiersync/sync_steps``, ``hiersync/local_steps``, ``hiersync/exact_steps``,
@@ -84,6 +92,7 @@ class HierSyncCallback(pl.Callback):
         self.log_stats = log_stats
         self.state: HierState | None = None
         self._restore: dict[str, Any] | None = None
+        self._ended: dict[str, Any] | None = None  # state.state_dict() as training ended, for later saves
 
     # ------------------------------------------------------------------ set-up
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -101,6 +110,7 @@ class HierSyncCallback(pl.Callback):
                     f"{len(trainer.optimizers)}; use HierSyncCallback(attach_optimizer=False)"
                 )
             optimizer = trainer.optimizers[0]
+        self._ended = None
         self.state = register(model, optimizer, **self.options)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -150,20 +160,30 @@ class HierSyncCallback(pl.Callback):
             assert self.state is not None
             self.state.synchronize(trainer.strategy.model)
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.sync_at_fit_end and self._training():
-            assert self.state is not None
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        # Not on_fit_end: by then Lightning's strategy teardown has moved the module to the CPU,
+        # where an NCCL group cannot average it.
+        if not self._training():
+            return
+        assert self.state is not None
+        if self.sync_at_fit_end:
             self.state.synchronize(trainer.strategy.model)
+        # Collective (as every state_dict); on a normal end only, when every rank gets here.
+        self._ended = self.state.state_dict()
 
     def _training(self) -> bool:
         return self.state is not None and not self.state._closed
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if not self._training():
+        if self._training():
+            assert self.state is not None
+            hier = self.state.state_dict()  # collective: Lightning dumps on every rank
+        elif self._ended is not None:
+            hier = self._ended  # trainer.save_checkpoint after fit() returned
+        else:
             return
-        assert self.state is not None
-        entry: dict[str, Any] = {"hier": self.state.state_dict()}  # collective: Lightning dumps on every rank
+        entry: dict[str, Any] = {"hier": hier}
         if self.per_rank_checkpoint:
             entry["model"] = pl_module.state_dict()
             entry["optimizers"] = [opt.state_dict() for opt in trainer.optimizers]
