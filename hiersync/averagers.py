@@ -33,7 +33,7 @@ import torch
 
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
-from .quant import BlockCodec
+from .quant import BlockCodec, NoFeedback
 from .sync import Launched
 from .vocab import GATHER_PIECE_BYTES
 
@@ -86,9 +86,12 @@ class RailAverager:
         outer_momentum: float = 0.0,
         state_device: str | None = None,
         transfer: Callable[[torch.Tensor], torch.futures.Future] | None = None,
+        raw_dtype: torch.dtype | None = None,
     ) -> None:
         self.comm = comm
         self.registry = registry
+        self.raw_dtype = raw_dtype
+        """Send the values themselves in this dtype (no anchor; the optimizer state's average)."""
         self.compress = compress
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
@@ -98,6 +101,7 @@ class RailAverager:
         self.transfer = transfer if transfer is not None else comm.average_shard
         self.codec = compress if isinstance(compress, BlockCodec) else None
         """int8/int4: block-quantized deltas with error feedback (:mod:`hiersync.quant`)."""
+        self.feedback = self.codec is not None and not isinstance(compress, NoFeedback)
         self._chunks: dict[tuple[int, ...], ChunkState] = {}
         self._loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
 
@@ -204,6 +208,8 @@ class RailAverager:
             payload = delta.to(self.compress)
             del delta
             future = self.transfer(payload)
+        elif self.raw_dtype is not None:
+            future = self.transfer(x.to(self.raw_dtype))
         else:
             payload = x.clone() if keep_snapshot else x  # the transfer overwrites its payload
             future = self.transfer(payload)
@@ -223,11 +229,13 @@ class RailAverager:
         if c.residual is not None:
             e[: c.s].add_(self._here(c.residual, x.device))
         packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
-        left = e.sub_(codec.decode_pieces(packed, padded, N))[: c.s]  # what these codes leave out
-        if c.residual is None:
-            c.residual = self._store(left.clone())
-        else:
-            c.residual.copy_(left, non_blocking=True)
+        if self.feedback:
+            left = e.sub_(codec.decode_pieces(packed, padded, N))[: c.s]  # what these codes leave out
+            if c.residual is None:
+                c.residual = self._store(left.clone())
+            else:
+                c.residual.copy_(left, non_blocking=True)
+        feedback = self.feedback
         n = padded // N  # values per piece
         nbytes = codec.packed_bytes(n)
 
@@ -239,6 +247,8 @@ class RailAverager:
             if r is not None and r.numel() == n:  # (a different number of nodes starts afresh)
                 mean.add_(self._here(r, mean.device))
             out = codec.encode(mean)
+            if not feedback:
+                return out
             left = mean.sub_(codec.decode(out, n))
             if r is not None and r.numel() == n:
                 r.copy_(left, non_blocking=True)
@@ -256,6 +266,8 @@ class RailAverager:
 
     def _complete(self, c: ChunkState, launched: Launched) -> torch.Tensor:
         avg = wait(launched.future)
+        if self.raw_dtype is not None:
+            return avg.float()
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
         # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
         if self.compress is not None:
@@ -368,8 +380,8 @@ class RailAverager:
 class ReplicatedNodeAverager(RailAverager):
     """Every rank of a node holds the same parameters (DDP): split each chunk by local rank.
 
-    ``hook``: the pure hook's per-parameter state, whose shard a chunk starts from when
-    the checkpoint was saved by the pure hook (no optimizer attached then).
+    ``hook``: the per-parameter state of the sync in the hook, whose shard a chunk starts
+    from when the checkpoint was saved with no optimizer attached.
     """
 
     def __init__(self, comm: Any, registry: Registry, *, hook: HookAverager | None = None, **options: Any) -> None:
@@ -445,7 +457,7 @@ class ReplicatedNodeAverager(RailAverager):
         super()._bind_loaded(c)
         if c.anchor is not None or c.momentum is not None or self.hook is None:
             return
-        # the pure hook's per-parameter state (a checkpoint saved without an attached optimizer)
+        # the hook's per-parameter state (a checkpoint saved without an attached optimizer)
         for key, store in (("anchor", self.hook.anchor), ("momentum", self.hook.momentum)):
             if all(i in store for i in c.indices):
                 setattr(c, key, self._store(self._shard_of(c, [store[i] for i in c.indices]).float()))
@@ -460,10 +472,12 @@ class ShardedNodeAverager(RailAverager):
     whole units) and their full size in fp32 bytes.
     """
 
-    def __init__(self, comm: Any, registry: Registry, *, units: list[tuple[list[int], int]], **options: Any) -> None:
+    def __init__(
+        self, comm: Any, registry: Registry, *, units: list[tuple[list[int], int]] | None = None, **options: Any
+    ) -> None:
         super().__init__(comm, registry, **options)
         self.index = comm.groups.local_rank
-        self._units = units
+        self._units = units if units is not None else super().units()
 
     def local(self, i: int) -> torch.Tensor:
         p = self.params[i]

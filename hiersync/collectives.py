@@ -97,6 +97,16 @@ class HierComm:
         """
         return issue(dist.all_reduce, tensor, group=self.groups.rail, what=what)
 
+    def _sequenced_rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """:meth:`rail_allreduce` in the rail's issue order: at once when nothing waits before it.
+
+        Legs launched from callbacks (the two-level all-reduce's, the quantized average's
+        all-gather) share the rail with these, so every rail collective is sequenced.
+        """
+        return self._seq_rail.submit(
+            completed(None, tensor.device), lambda: self.rail_allreduce(tensor, what), tensor.device, what
+        )
+
     # ------------------------------------------------------------- exact (period 1)
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` (1-D) over the world; the future's value is the averaged tensor.
@@ -121,7 +131,7 @@ class HierComm:
         self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
             if rail:
-                fut = self.rail_allreduce(tensor, what)
+                fut = self._sequenced_rail_allreduce(tensor, what)
             else:
                 fut = issue(dist.all_reduce, tensor, group=group, what=what)
         except Exception as e:
@@ -325,7 +335,7 @@ class HierComm:
         phase = self._phase("inter parameter all-reduce on the rail")
         self.stats.record(INTER, "all_reduce", N, shard.numel() * shard.element_size())
         try:
-            fut = self.rail_allreduce(shard, phase)
+            fut = self._sequenced_rail_allreduce(shard, phase)
         except Exception as e:
             raise wrap(e, phase) from e
         fut = then(fut, lambda f: wait(f)[0], shard.device, phase)
@@ -433,7 +443,7 @@ class HierComm:
             phase = self._phase("inter parameter all-reduce among leaders")
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             try:
-                ready = then(self.rail_allreduce(flat, phase), wait, flat.device, phase)
+                ready = then(self._sequenced_rail_allreduce(flat, phase), wait, flat.device, phase)
             except Exception as e:
                 raise wrap(e, phase) from e
             ready = span("hiersync/inter_param_allreduce", ready)

@@ -58,6 +58,9 @@ class HierConfig:
     """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits;
     ``"int8"``/``"int4"``: block-quantized, with error feedback (needs an attached optimizer
     and nodes of equal size)."""
+    error_feedback: bool = True
+    """int8/int4: keep what the codes of each delta leave out and send it with the next one
+    (False only to measure what it buys: the rounding errors are then lost)."""
     outer_lr: float | None = None
     """DiLoCo outer Nesterov learning rate on the averaged pseudo-gradient; None = plain average."""
     outer_momentum: float = 0.0
@@ -76,6 +79,9 @@ class HierConfig:
     """``"cpu"``: keep the local-SGD state (anchor, momentum shards) in host memory, pinned where
     CUDA is available (applies to the sharded state of an attached optimizer); None: on the
     parameters' device."""
+    average_optimizer_state: tuple[str, ...] = ()
+    """Names of optimizer-state tensors (AdamW's ``"exp_avg"``, ...) averaged across nodes at each
+    sync with their parameters (needs an attached optimizer); ``()``: the optimizer state stays local."""
     profile: Any = None
     """Calibration profile (path or ``costmodel.Profile``) for ``algorithm="auto"``."""
     schedule: Schedule = field(init=False, repr=False, compare=False)
@@ -99,6 +105,13 @@ class HierConfig:
         _choice("compress", self.compress, COMPRESS)
         if self.compress == "none":
             object.__setattr__(self, "compress", None)
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if not self.error_feedback and self.compress not in COMPRESS_CODES:
+            raise ValueError(
+                f"error_feedback=False applies to compress='int8' or 'int4' (compress={self.compress!r} sends "
+                "16-bit or fp32 values, with nothing to feed back)"
+            )
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("intra_algorithm", self.intra_algorithm, (None, *INTRA_ALGORITHMS))
@@ -109,6 +122,19 @@ class HierConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.outer_momentum and self.outer_lr is None:
             raise ValueError(f"outer_momentum={self.outer_momentum} needs outer_lr (e.g. outer_lr=0.7)")
+        names = self.average_optimizer_state
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise TypeError(
+                f"average_optimizer_state must be a tuple of names, got {names!r}: "
+                "e.g. average_optimizer_state=('exp_avg',)"
+            )
+        if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"average_optimizer_state={names!r}: give distinct state names, e.g. ('exp_avg',)")
+        if names and self.period < 2:
+            raise ValueError(
+                f"average_optimizer_state={names!r} needs period >= 2 (at period=1 no optimizer state drifts apart)"
+            )
+        object.__setattr__(self, "average_optimizer_state", tuple(names))
         if not (_number(self.chunk_mb) and self.chunk_mb > 0):
             raise ValueError(f"chunk_mb must be > 0, got {self.chunk_mb!r}")
         timeout = self.timeout

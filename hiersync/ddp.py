@@ -14,7 +14,7 @@ only on the steps the :class:`~hiersync.schedule.Schedule` says:
   with ``overlap=True`` it is launched there and applied one step later.
 
 A bucket goes to DDP as soon as its own collectives are done, unless its step must decide
-first (a pure-hook sync step, or ``nonfinite="raise"``); the
+first (a sync step in the hook, or ``nonfinite="raise"``); the
 :class:`~hiersync.guard.NonFiniteGuard`'s verdict is awaited before ``optimizer.step()``.
 A failure is reported only once *every* bucket's collectives have completed, so nothing
 still writes a buffer that DDP or the optimizer reads.
@@ -217,7 +217,7 @@ def _release(
         wait(joined)  # on CUDA: this thread's stream now waits on every bucket
         results = [wait(b.reduced) for b in buckets]
         for b in buckets:
-            if b.params is not None:  # pure-hook sync: write the averaged parameters
+            if b.params is not None:  # a sync step in the hook: write the averaged parameters
                 averager.write(b.params.indices, averager.complete(b.params))
         guard.judge(step, kind, [f for _, f in results if f is not None])
     except Exception as e:

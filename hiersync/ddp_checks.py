@@ -71,6 +71,11 @@ def check_usable(state: SyncState) -> None:
             "again) after every init_process_group, e.g. after an elastic restart"
         )
     cfg = state.config
+    if cfg.average_optimizer_state and state._optimizer is None:
+        raise RuntimeError(
+            f"HierState(average_optimizer_state={cfg.average_optimizer_state!r}) needs the optimizer: call "
+            "state.attach_optimizer(optimizer) before training (or hiersync.register(model, optimizer, ...))"
+        )
     if cfg.compress in COMPRESS_CODES and state._optimizer is None:
         raise RuntimeError(
             f"HierState(compress={cfg.compress!r}) needs an optimizer: its error feedback is kept by the sync "

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from . import state_io
+from .averagers import RailAverager
 from .collectives import HierComm
 from .config import HierConfig
 from .ddp_checks import check_attachable, check_constructible, check_optimizer_owns, unwrap_optimizer
 from .guard import NonFiniteGuard
 from .localsgd import HookAverager, Registry
+from .optstate import with_optimizer_state
 from .stats import Stats
 from .sync import Averager, CrossNodeSync
 from .topology import Topology, check_layout, world_timeout
@@ -112,6 +114,12 @@ class SyncState:
         optimizer = unwrap_optimizer(optimizer)
         check_attachable(self, optimizer)
         self._optimizer = optimizer
+        names = self.config.average_optimizer_state
+        if names:
+            assert isinstance(self.engine.averager, RailAverager)
+            self.engine.averager = with_optimizer_state(
+                self.engine.averager, optimizer, names, self.comm, self.config.compress
+            )
         self._handles += [
             optimizer.register_step_pre_hook(self._before_optimizer_step),
             optimizer.register_step_post_hook(self._after_optimizer_step),

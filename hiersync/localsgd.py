@@ -35,7 +35,7 @@ import torch
 
 from .collectives import HierComm
 from .futures import wait
-from .quant import codec_for
+from .quant import NoFeedback, codec_for
 from .vocab import COMPRESS_CODES
 
 __all__ = [
@@ -56,7 +56,8 @@ def options_of(cfg: Any) -> dict[str, Any]:
     """The averager options of a :class:`~hiersync.config.HierConfig`: the payload (a 16-bit
     dtype, or a :class:`~hiersync.quant.BlockCodec`) and the outer step."""
     if cfg.compress in COMPRESS_CODES:
-        compress: Any = codec_for(cfg.compress)
+        codec = codec_for(cfg.compress)
+        compress: Any = codec if cfg.error_feedback else NoFeedback(codec)
     else:
         compress = _PAYLOAD_DTYPES[cfg.compress]
     return {"compress": compress, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}

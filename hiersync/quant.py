@@ -24,7 +24,7 @@ import torch
 
 from .vocab import QUANT_BLOCK
 
-__all__ = ["BlockCodec", "codec_for", "ErrorFeedback"]
+__all__ = ["BlockCodec", "NoFeedback", "codec_for", "ErrorFeedback"]
 
 _QMAX = {8: 127, 4: 7}
 
@@ -95,6 +95,16 @@ class BlockCodec:
         m = n // pieces
         b = self.packed_bytes(m)
         return torch.cat([self.decode(packed[j * b : (j + 1) * b], m) for j in range(pieces)])
+
+
+@dataclass(frozen=True)
+class NoFeedback(BlockCodec):
+    """The same codes, sent without error feedback (``error_feedback=False``): what they
+    leave out is lost. Only to measure what the feedback buys."""
+
+    def __init__(self, codec: BlockCodec) -> None:
+        object.__setattr__(self, "bits", codec.bits)
+        object.__setattr__(self, "block", codec.block)
 
 
 def codec_for(compress: str) -> BlockCodec:

@@ -84,7 +84,8 @@ class Level(StrEnum):
 
 
 class Placement(StrEnum):
-    """Where the period-k parameter average runs."""
+    """Where the period-k parameter average runs: the *mode*, named in prose as "in the hook",
+    "blocking" and "overlapped" (*streaming*: fragments > 1, blocking or overlapped)."""
 
     HOOK = "hook"
     """Inside the hook, during the sync step's backward (no optimizer attached)."""

@@ -46,6 +46,7 @@ def _options(cfg: dict) -> dict:
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
         state_device=cfg.get("state_device"),
+        average_optimizer_state=cfg.get("average_optimizer_state", ()),
     )
 
 

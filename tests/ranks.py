@@ -266,6 +266,8 @@ class Reference:
         self.frag_anchor: dict[int, torch.Tensor] = {}
         self.frag_mom: dict[int, torch.Tensor] = {}
         self.in_flight: list[tuple[int, int, torch.Tensor]] = []  # (apply after step, fragment, correction)
+        self.state_in_flight: list[tuple[int, int, torch.Tensor]] = []  # the same, for the optimizer state
+        self.pending_state = None
 
     def average(self, params=None, anchor=None, mom=None):
         """The new value of ``params`` (all by default): mean, or outer step; and the new momentum."""
@@ -311,6 +313,10 @@ class Reference:
             group = [params[i] for i in self.layout[f]]
             _write(group, _flat(group) + corr)
         self.in_flight = [job for job in self.in_flight if job[0] > step]
+        for _, f, corr in [job for job in self.state_in_flight if job[0] <= step]:
+            group = [params[i] for i in self.layout[f]]
+            self._state_write(group, self._state_flat(group) + corr)
+        self.state_in_flight = [job for job in self.state_in_flight if job[0] > step]
         if step < warm:
             return
         for f in range(F):
@@ -328,6 +334,10 @@ class Reference:
                 _write(group, target)
             else:
                 self.in_flight.append((step + tau, f, target - _flat(group)))
+            if self.cfg.get("avg_state") and tau == 0:
+                self._state_write(group, self._state_average(group))
+            elif self.cfg.get("avg_state"):
+                self.state_in_flight.append((step + tau, f, self._state_average(group) - self._state_flat(group)))
 
     def step(self, step: int, kind: str, accum: int) -> None:
         mode = self.cfg["mode"]
@@ -349,18 +359,37 @@ class Reference:
             self.opt.zero_grad()
             self.stream_after_step(step)
             return
-        if kind == "sync" and mode == "pure":
+        if kind == "sync" and mode == "hook":
             _write(params, self.average())
         self.opt.step()
         self.opt.zero_grad()
         if mode == "overlap" and self.pending is not None:
             _write(params, _flat(params) + self.pending)
             self.pending = None
-        if kind == "sync" and mode == "attached":
+        if mode == "overlap" and self.pending_state is not None:
+            self._state_write(params, self._state_flat(params) + self.pending_state)
+            self.pending_state = None
+        if kind == "sync" and mode == "blocking":
             _write(params, self.average())
+            if self.cfg.get("avg_state"):
+                self._state_write(params, self._state_average(params))
         if kind == "sync" and mode == "overlap":
             snap = _flat(params)
             self.pending = self.average() - snap
+            if self.cfg.get("avg_state"):
+                self.pending_state = self._state_average(params) - self._state_flat(params)
+
+    # the optimizer state (SGD's momentum buffers), averaged with the parameters when cfg["avg_state"]
+    def _state_flat(self, params) -> torch.Tensor:
+        return torch.cat([self.opt.state[p]["momentum_buffer"].reshape(-1) for p in params])
+
+    def _state_write(self, params, flat: torch.Tensor) -> None:
+        _write([self.opt.state[p]["momentum_buffer"] for p in params], flat)
+
+    def _state_average(self, params) -> torch.Tensor:
+        x = self._state_flat(params)
+        dist.all_reduce(x)
+        return x / self.W
 
 
 def localsgd_check(cfg: dict) -> dict:
@@ -396,23 +425,25 @@ def localsgd_check(cfg: dict) -> dict:
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
         state_device=cfg.get("state_device"),
+        average_optimizer_state=("momentum_buffer",) if cfg.get("avg_state") else (),
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if mode != "pure":
+    if mode != "hook":
         state.attach_optimizer(opt)
     sched = Schedule(period, warmup, cfg.get("fragments", 1))
     rank, W = dist.get_rank(), dist.get_world_size()
     launches: list[tuple[int, list[int]]] = []  # (step, registry positions) of every cross-node average
     if stream:
-        real_launch = state.engine.averager._launch
+        logged = getattr(state.engine.averager, "base", state.engine.averager)  # the parameters' averager
+        real_launch = logged._launch
 
         def logged_launch(chunk, keep_snapshot):
             launched = real_launch(chunk, keep_snapshot)
             launches.append((state.step - 1, list(launched.indices)))
             return launched
 
-        state.engine.averager._launch = logged_launch
+        logged._launch = logged_launch
     same_node = [r for r in range(W) if topo.node_of(r) == topo.node_of(rank)]
     worst = 0.0
     nodes_differed = False
@@ -426,7 +457,9 @@ def localsgd_check(cfg: dict) -> dict:
             # a skipped wait at apply time still shows (tests/test_emulation.py).
             emulated = emulation.enabled() and c.future.done()
             whole = c.future.value() if emulated else wait(c.future)
-            gathered_early.append(whole.numel() > state.engine.averager.shard_numel(c.indices))
+            first = whole[0] if isinstance(whole, list) else whole  # with the optimizer state: one per averager
+            base = getattr(state.engine.averager, "base", state.engine.averager)
+            gathered_early.append(first.numel() > base.shard_numel(c.indices))
         if stream and step == 0:
             # the fragments, as model.parameters() indices (the hook's registry order -> the model's)
             where = {id(p): j for j, p in enumerate(ddp.module.parameters())}
@@ -439,7 +472,7 @@ def localsgd_check(cfg: dict) -> dict:
         dist.all_gather(everyone, mine)
         for r in same_node:
             assert torch.equal(everyone[r], mine), f"step {step}: rank {r} differs from rank {rank} on one node"
-        if mode == "attached" and kind == "sync":
+        if mode == "blocking" and kind == "sync":
             for r in range(W):
                 assert torch.equal(everyone[r], mine), f"step {step} (sync): rank {r} != rank {rank}"
         if kind != "exact" and any(not torch.equal(everyone[r], mine) for r in range(W)):
@@ -484,10 +517,11 @@ def _build(cfg: dict):
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
+        average_optimizer_state=("momentum_buffer",) if cfg.get("avg_state") else (),
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    if cfg["mode"] != "pure":
+    if cfg["mode"] != "hook":
         state.attach_optimizer(opt)
     return ddp, opt, state
 
@@ -534,7 +568,7 @@ def die_mid_training(
     period: int,
     timeout_s: float | None,
     how: str = "kill",
-    pure: bool = False,
+    in_hook: bool = False,
     folder: str = "",
     bucket_cap_mb: float = 25.0,
 ) -> None:
@@ -551,7 +585,7 @@ def die_mid_training(
     torch.manual_seed(0)
     ddp = DDP(Net(), bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    hiersync.register(ddp, None if pure else opt, period=period, timeout=timeout_s)
+    hiersync.register(ddp, None if in_hook else opt, period=period, timeout=timeout_s)
     for step in range(die_at + 3 * period + 2):
         if step == die_at:
             if folder:
@@ -571,7 +605,7 @@ def nan_check(mode: str, period: int, warmup: int, nan_steps: list[int], steps: 
     ddp = DDP(Net())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     stream = dict(fragments=period, overlap=1) if mode == "stream" else {}
-    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, warmup_steps=warmup, **stream)
+    state = hiersync.register(ddp, None if mode == "hook" else opt, period=period, warmup_steps=warmup, **stream)
     sched = Schedule(period, warmup)
     unchanged_on_skip = []
     for step in range(steps):
@@ -582,7 +616,7 @@ def nan_check(mode: str, period: int, warmup: int, nan_steps: list[int], steps: 
         everyone = [torch.empty_like(after) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, after)
         assert all(bool(torch.isfinite(t).all()) for t in everyone)
-        if step in nan_steps and sched.kind(step) == "local" and mode != "pure":
+        if step in nan_steps and sched.kind(step) == "local" and mode != "hook":
             unchanged_on_skip.append(torch.equal(before, after))
     return {"stats": state.stats.as_dict(), "unchanged_on_skip": unchanged_on_skip}
 
@@ -615,7 +649,7 @@ def synchronize_check(mode: str) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
     ddp = DDP(model, broadcast_buffers=False)  # buffers drift per rank too
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = hiersync.register(ddp, None if mode == "pure" else opt, period=50)
+    state = hiersync.register(ddp, None if mode == "hook" else opt, period=50)
     train(ddp, opt, 3)
     tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
     mine = _flat(tensors)
@@ -643,7 +677,7 @@ def scaler_overflow(mode: str, period: int, inject: list[int], steps: int) -> di
     ddp = DDP(Net(), bucket_cap_mb=0.0005)  # several buckets per step
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     stream = dict(fragments=4, overlap=1) if mode == "stream" else {}
-    state = hiersync.register(ddp, None if mode == "pure" else opt, period=period, **stream)
+    state = hiersync.register(ddp, None if mode == "hook" else opt, period=period, **stream)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10_000)
     scales, losses = [], []
     for step in range(steps):
@@ -696,7 +730,7 @@ def with_wait_skipped(module: str, caller: str, target: str, *args):
     """Run ``target(*args)`` with one read of a collective's result put back *without* wait.
 
     Every call of ``futures.wait`` made by the function named ``caller`` in ``module``
-    returns the future's value directly, the way the defects issue 9 fixed read results:
+    returns the future's value directly, as a read without its wait would:
     on NCCL that read races the collective. Under ``HIERSYNC_EMULATE_NCCL=1`` the value
     is still poisoned, so the run must fail.
     """

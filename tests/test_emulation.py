@@ -129,10 +129,10 @@ def test_errors_keep_their_hiersync_type(emulated):
 
 # ------------------------------------------------------------------ it bites
 PARITY = ("ddp_parity", ["plain"], 3)
-LOCAL_SGD = ("localsgd_check", dict(mode="pure", period=2, steps=4))
+LOCAL_SGD = ("localsgd_check", dict(mode="hook", period=2, steps=4))
 OVERLAP = ("localsgd_check", dict(mode="overlap", period=2, steps=5))
-ATTACHED = ("localsgd_check", dict(mode="attached", period=2, steps=4))
-SYNCHRONIZE = ("synchronize_check", "attached")
+ATTACHED = ("localsgd_check", dict(mode="blocking", period=2, steps=4))
+SYNCHRONIZE = ("synchronize_check", "blocking")
 FSDP_EXACT = ("fsdp_ranks.fsdp_check", dict(reference="hsdp", period=1, steps=2))
 FSDP_OVERLAP = ("fsdp_ranks.fsdp_check", dict(reference="ddp", period=2, tau=1, steps=4))
 
@@ -142,8 +142,8 @@ SITES = {
     "release_reads_buckets_unwaited": ("hiersync.ddp", "_release", PARITY),  # _finish_step
     "later_leg_launched_unwaited": ("hiersync.issuing", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
-    # In pure-hook mode the step's join waits on the average before complete() reads it;
-    # after optimizer.step() (attached) _complete() is the only reader. (With overlap it runs
+    # In the hook the step's join waits on the average before complete() reads it;
+    # after optimizer.step() (blocking) _complete() is the only reader. (With overlap it runs
     # inside the gather's Sequencer launch, which has waited on the same future already.)
     "averaged_params_written_unwaited": ("hiersync.averagers", "_complete", ATTACHED),
     "gathered_shards_written_unwaited": ("hiersync.averagers", "write", ATTACHED),  # blocking: gather at write

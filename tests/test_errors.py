@@ -41,7 +41,10 @@ def _step(ddp, opt=None) -> None:
         (dict(period=True), TypeError, "got True"),
         (dict(warmup_steps=-1), ValueError, "warmup_steps must be >= 0, got -1"),
         (dict(warmup_steps=1.0), TypeError, "warmup_steps must be an int"),
-        (dict(compress="int8"), ValueError, r"compress='int8' is not supported; use one of"),
+        (dict(compress="int2"), ValueError, r"compress='int2' is not supported; use one of"),
+        (dict(period=2, average_optimizer_state="exp_avg"), TypeError, r"must be a tuple of names.*\('exp_avg',\)"),
+        (dict(period=2, average_optimizer_state=("exp_avg", "exp_avg")), ValueError, "give distinct state names"),
+        (dict(average_optimizer_state=("exp_avg",)), ValueError, "needs period >= 2"),
         (dict(algorithm="ring"), ValueError, r"algorithm='ring' is not supported"),
         (dict(nonfinite="zero"), ValueError, r"nonfinite='zero' is not supported"),
         (dict(period=1, overlap=True), ValueError, "overlap=True needs period >= 2"),
@@ -91,7 +94,7 @@ def test_overlap_without_attached_optimizer(world1):
 
 
 def test_streaming_without_attached_optimizer(world1):
-    # streaming runs after optimizer.step(): a pure-hook HierState cannot stream, and says so
+    # streaming runs after optimizer.step(): a HierState syncing in the hook cannot stream, and says so
     ddp = DDP(_model())
     ddp.register_comm_hook(HierState(period=2, fragments=2), hiersync.hook)
     with pytest.raises(RuntimeError, match=r"fragments=2\) needs an optimizer: the sync runs after optimizer.step"):
@@ -174,6 +177,17 @@ def _trained_state(width: int, steps: int = 3, **options):
     for _ in range(steps):
         _step(ddp, opt)
     return state, ddp, opt
+
+
+def test_average_optimizer_state_names_what_the_optimizer_has(world1):
+    ddp = DDP(_model(4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    hiersync.register(ddp, opt, period=2, average_optimizer_state=("exp_avg",))
+    _step(ddp, opt)
+    with pytest.raises(
+        ValueError, match=r"SGD's state has no tensor 'exp_avg' per parameter \(it has \['momentum_buffer'\]\)"
+    ):
+        _step(ddp, opt)  # step 1 syncs
 
 
 def test_load_state_dict_rejects_garbage(world1):

@@ -1,4 +1,4 @@
-"""Failures and mixed precision, multi-process on 2x2 (issue 9).
+"""Failures and mixed precision, multi-process on 2x2.
 
 * A dead peer with several buckets per step (the race that once gave "INTERNAL ASSERT
   FAILED ... please report a bug to PyTorch"): every survivor raises an error naming
@@ -74,7 +74,7 @@ def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at, tmp_path):
 
 
 @pytest.mark.usefixtures("nccl_mode")
-@pytest.mark.parametrize("mode", ["attached", "pure"])
+@pytest.mark.parametrize("mode", ["blocking", "hook"])
 def test_grad_scaler_overflow_on_one_node(mode):
     # period 4: step 1 is local, step 3 a sync step; rank 1 (node 0) overflows at both
     res = launch(ranks.scaler_overflow, TOPOLOGIES["2x2"], mode, 4, [1, 3], 10, timeout=120)

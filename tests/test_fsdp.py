@@ -28,6 +28,9 @@ CASES = {
     "streaming_outer_bf16": dict(
         reference="ddp", period=4, fragments=2, tau=2, compress="bf16", outer=(0.7, 0.9), steps=9
     ),
+    "streaming_exp_avg": dict(
+        reference="ddp", period=4, fragments=2, tau=1, average_optimizer_state=("exp_avg", "exp_avg_sq"), steps=9
+    ),
     "state_on_host": dict(reference="ddp", period=2, tau=1, outer=(0.7, 0.9), state_device="cpu", steps=6),
 }
 

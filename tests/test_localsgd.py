@@ -22,15 +22,15 @@ from harness import (
 pytestmark = pytest.mark.usefixtures("nccl_mode")
 
 CASES = {
-    "pure": dict(mode="pure", period=3, warmup=2, steps=9),
-    "attached": dict(mode="attached", period=3, warmup=2, steps=9),
+    "hook": dict(mode="hook", period=3, warmup=2, steps=9),
+    "blocking": dict(mode="blocking", period=3, warmup=2, steps=9),
     "overlap": dict(mode="overlap", period=3, warmup=1, steps=9),
-    "pure_no_sync": dict(mode="pure", period=2, warmup=1, steps=6, accum=2),
-    "attached_no_sync": dict(mode="attached", period=2, warmup=1, steps=6, accum=2),
-    "outer_nesterov": dict(mode="attached", period=2, steps=7, outer=(0.7, 0.9)),
-    "pure_outer_nesterov": dict(mode="pure", period=2, steps=7, outer=(0.7, 0.9)),
+    "hook_no_sync": dict(mode="hook", period=2, warmup=1, steps=6, accum=2),
+    "blocking_no_sync": dict(mode="blocking", period=2, warmup=1, steps=6, accum=2),
+    "outer_nesterov": dict(mode="blocking", period=2, steps=7, outer=(0.7, 0.9)),
+    "hook_outer_nesterov": dict(mode="hook", period=2, steps=7, outer=(0.7, 0.9)),
     "bucket_view_static_graph": dict(
-        mode="pure", period=2, steps=6, ddp={"gradient_as_bucket_view": True, "static_graph": True}
+        mode="hook", period=2, steps=6, ddp={"gradient_as_bucket_view": True, "static_graph": True}
     ),
 }
 
@@ -49,7 +49,7 @@ def test_matches_reference_2x2(case):
 
 
 @pytest.mark.parametrize("name", ["noncontiguous", "uneven", "2x1"])
-@pytest.mark.parametrize("mode", ["pure", "attached"])
+@pytest.mark.parametrize("mode", ["hook", "blocking"])
 def test_matches_reference_other_topologies(name, mode):
     cfg = dict(mode=mode, period=2, warmup=1, steps=5)
     res = launch(ranks.localsgd_check, TOPOLOGIES[name], cfg)
@@ -59,11 +59,11 @@ def test_matches_reference_other_topologies(name, mode):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(mode="attached", period=2, steps=6, compress="bf16"),
-        dict(mode="pure", period=2, steps=6, compress="fp16"),
+        dict(mode="blocking", period=2, steps=6, compress="bf16"),
+        dict(mode="hook", period=2, steps=6, compress="fp16"),
         dict(mode="overlap", period=2, steps=7, compress="bf16", outer=(0.7, 0.9)),
     ],
-    ids=["attached_bf16", "pure_fp16", "overlap_bf16_outer"],
+    ids=["blocking_bf16", "hook_fp16", "overlap_bf16_outer"],
 )
 def test_compression_error_is_bounded_by_the_delta(cfg):
     res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
@@ -76,18 +76,19 @@ def test_compression_error_is_bounded_by_the_delta(cfg):
 
 
 def test_local_steps_send_nothing_across_nodes():
-    cfg = dict(mode="attached", period=100, steps=4)
+    cfg = dict(mode="blocking", period=100, steps=4)
     res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
     assert res[0]["stats"]["bytes_sent"]["inter"] == 0
     assert res[0]["stats"]["local_steps"] == 4
 
 
 CKPT_CASES = {
-    "pure": dict(mode="pure", period=3, warmup=1),
-    "attached": dict(mode="attached", period=3, warmup=1),
+    "hook": dict(mode="hook", period=3, warmup=1),
+    "blocking": dict(mode="blocking", period=3, warmup=1),
     "overlap": dict(mode="overlap", period=2, warmup=1),
     "overlap_bf16_outer": dict(mode="overlap", period=2, compress="bf16", outer=(0.7, 0.9)),
-    "pure_bf16_outer": dict(mode="pure", period=2, compress="bf16", outer=(0.7, 0.9)),
+    "hook_bf16_outer": dict(mode="hook", period=2, compress="bf16", outer=(0.7, 0.9)),
+    "overlap_int4_optimizer_state": dict(mode="overlap", period=2, compress="int4", avg_state=True),
 }
 
 
@@ -100,5 +101,25 @@ def test_checkpoint_resume_in_new_processes_is_exact(case, tmp_path):
 
 @pytest.mark.parametrize("name", ["2x2", "uneven"])
 def test_synchronize_makes_every_rank_the_world_mean(name):
-    res = launch(ranks.synchronize_check, TOPOLOGIES[name], "attached")
+    res = launch(ranks.synchronize_check, TOPOLOGIES[name], "blocking")
     assert res[0]["differed_before"]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(mode="blocking", period=3, warmup=1, steps=8, avg_state=True),
+        dict(mode="overlap", period=2, steps=7, avg_state=True, outer=(0.7, 0.9)),
+        dict(mode="stream", period=4, fragments=2, tau=1, steps=9, avg_state=True),
+        dict(mode="stream", period=4, fragments=4, tau=0, steps=9, avg_state=True, compress="bf16"),
+    ],
+    ids=["blocking", "overlap_outer", "stream_tau1", "stream_blocking_bf16"],
+)
+def test_optimizer_state_is_averaged_with_the_parameters(cfg):
+    """SGD's momentum buffers averaged across nodes at each sync (average_optimizer_state),
+    against the reference doing the same by hand."""
+    res = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
+    for r in res:
+        assert r["sync_steps"] == r["expected_sync_steps"] != []
+        if cfg.get("compress"):  # bf16 deltas (parameters) and bf16 values (state): a few roundings
+            assert r["worst_vs_reference"] < 1e-2, r

@@ -367,7 +367,7 @@ def test_memory_model_matches_the_measured_table():
         assert m.total / p32 == pytest.approx(measured, abs=0.1), kw
     assert sync_memory(params=1e6, ranks_per_node=8, period=1).total == 0
     hook = sync_memory(params=1e6, ranks_per_node=8, period=4, compress=True, attached=False)
-    assert hook.anchor == 4e6 and not hook.sharded  # pure hook: whole state
+    assert hook.anchor == 4e6 and not hook.sharded  # in the hook: whole state
 
 
 def test_plan_reports_memory_and_collectives(a100_plan):

@@ -36,7 +36,7 @@ def test_rail_average_equals_the_same_maths_by_hand(name, bits):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(mode="attached", period=2, steps=6, compress="int8"),
+        dict(mode="blocking", period=2, steps=6, compress="int8"),
         dict(mode="overlap", period=2, steps=7, compress="int4", outer=(0.7, 0.9)),
         dict(mode="stream", period=4, fragments=2, tau=1, steps=9, compress="int4"),
     ],
@@ -55,7 +55,7 @@ def test_bytes_per_sync_against_bf16():
     """Inter-node bytes from stats, block scales included: int8 <= 0.55x and int4 <= 0.30x of bf16."""
     sent = {}
     for compress in ("bf16", "int8", "int4"):
-        cfg = dict(mode="attached", period=2, steps=4, compress=compress, width=96)
+        cfg = dict(mode="blocking", period=2, steps=4, compress=compress, width=96)
         sent[compress] = launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)[0]["stats"]["bytes_sent"]["inter"]
     assert sent["int8"] <= 0.55 * sent["bf16"], sent
     assert sent["int4"] <= 0.30 * sent["bf16"], sent
@@ -70,7 +70,7 @@ def test_checkpoint_with_residuals_and_corrections_in_flight_resumes_exactly(com
 def test_hook_without_optimizer_refuses_codes(nccl_mode):
     if nccl_mode == "emulated_nccl":
         pytest.skip("no collective result is read")
-    cfg = dict(mode="pure", period=2, steps=2, compress="int4")
+    cfg = dict(mode="hook", period=2, steps=2, compress="int4")
     with pytest.raises(Exception, match="needs an optimizer: its error feedback"):
         launch(ranks.localsgd_check, TOPOLOGIES["2x2"], cfg)
 
@@ -78,6 +78,6 @@ def test_hook_without_optimizer_refuses_codes(nccl_mode):
 def test_uneven_nodes_refuse_codes(nccl_mode):
     if nccl_mode == "emulated_nccl":
         pytest.skip("no collective result is read")
-    cfg = dict(mode="attached", period=2, steps=2, compress="int8")
+    cfg = dict(mode="blocking", period=2, steps=2, compress="int8")
     with pytest.raises(Exception, match="needs nodes with equal numbers of ranks"):
         launch(ranks.localsgd_check, TOPOLOGIES["uneven"], cfg)

@@ -22,16 +22,16 @@ def _seconds_to_fail(outcome, folder) -> float:
 
 
 @pytest.mark.parametrize(
-    "die_at, pure",
+    "die_at, in_hook",
     [(5, False), (7, False), (7, True)],
-    ids=["local_step", "sync_step_attached", "sync_step_pure_hook"],
+    ids=["local_step", "sync_step_blocking", "sync_step_in_hook"],
 )
-def test_killed_peer_makes_every_survivor_raise(die_at, pure, tmp_path):
+def test_killed_peer_makes_every_survivor_raise(die_at, in_hook, tmp_path):
     # period 4: step 7 is a sync step, step 5 a local one
     outs = run_all(
         ranks.die_mid_training,
         4,
-        (1, die_at, 4, TIMEOUT_S, "kill", pure, str(tmp_path)),
+        (1, die_at, 4, TIMEOUT_S, "kill", in_hook, str(tmp_path)),
         node_ids=TOPOLOGIES["2x2"],
         timeout=90,
         pg_timeout=TIMEOUT_S,
@@ -63,7 +63,7 @@ def test_frozen_peer_times_out_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.usefixtures("nccl_mode")
-@pytest.mark.parametrize("mode", ["attached", "pure", "overlap"])
+@pytest.mark.parametrize("mode", ["blocking", "hook", "overlap"])
 def test_nan_never_reaches_parameters(mode):
     # warmup 2 (exact), period 3: steps 2, 3 local, 4 sync, 5, 6 local, 7 sync
     nan_steps = [1, 3, 4]
@@ -80,7 +80,7 @@ def test_nan_never_reaches_parameters(mode):
     # exact step 1: the world average is NaN, every rank skips; steps 3 and 4: only node 0 does
     assert [r["stats"]["nonfinite_skips"] for r in res] == [3, 3, 1, 1]
     assert [r["stats"]["nonfinite_sync_skips"] for r in res] == [1, 1, 0, 0]
-    if mode != "pure":
+    if mode != "hook":
         assert res[0]["unchanged_on_skip"] == [True]  # a skipped update leaves parameters as they were
 
 

@@ -37,7 +37,7 @@ def _error_of(fut) -> str:
 
 @pytest.mark.parametrize("nonfinite", ["skip", "raise"])
 def test_step_fails_only_after_every_bucket_is_done(world1, nonfinite):
-    """The dead-peer race: one bucket failed while another still runs (issue 9, part 1).
+    """The dead-peer race: one bucket failed while another still runs.
 
     A bucket reduced without error goes to DDP as soon as it is done ("skip"); with
     ``nonfinite="raise"`` the step decides first, so every bucket of the step fails.
@@ -61,7 +61,7 @@ def test_step_fails_only_after_every_bucket_is_done(world1, nonfinite):
         assert "INTERNAL ASSERT" not in text, text
 
 
-def test_pure_hook_sync_writes_nothing_after_a_failed_step(world1):
+def test_sync_in_the_hook_writes_nothing_after_a_failed_step(world1):
     """The parameter average still in flight when the gradient leg failed never lands."""
     state = HierState(period=2)
     param = torch.nn.Parameter(torch.full((4,), 3.0))
@@ -169,7 +169,7 @@ def test_schedule_drives_the_collectives(world1):
         (["exact"], []),
         (["intra"], []),
         (["intra"], []),
-        (["intra"], ["average"]),  # attached: after optimizer.step(), not inside backward
+        (["intra"], ["average"]),  # blocking: after optimizer.step(), not inside backward
         (["intra"], []),
     ]
     assert state.stats.sync_steps == 1 and state.stats.recent_sync_steps[-1] == 3

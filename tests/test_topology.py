@@ -128,7 +128,7 @@ def test_detect_needs_process_group():
         Topology.detect()
 
 
-# ------------------------------------------------------------------ real-cluster safety (issue 13)
+# ------------------------------------------------------------------ real-cluster safety
 def test_node_key_names_an_env_var_read_on_each_rank():
     # e.g. HIERSYNC_NODE_KEY=SLURM_NODEID, or a Kubernetes node name via the downward API
     from hiersync._launch import run

@@ -6,7 +6,7 @@ testbed. With an attached optimizer (blocking, overlap or streaming) the state i
 the outer momentum shard (outer optimizer), and per fragment in flight the snapshot and
 payload shards (about 2/L of the fragment's bytes; tau of them in flight; a blocking sync
 holds one payload shard, 1/L, while it runs), plus the node gather's buffer of 1 MiB per
-rank. Pure-hook mode keeps the anchor and momentum whole (DDP's buckets are not stable
+rank. A sync in the hook keeps the anchor and momentum whole (DDP's buckets are not stable
 chunks). Period 1 (exact) keeps nothing. Pure: no torch.
 
 Example::
@@ -45,7 +45,7 @@ class SyncMemory:
     residual: float = 0.0
     """fp32 error-feedback residual (shard) of ``compress="int8"``/``"int4"``: what was not sent."""
     sharded: bool
-    """Whether the state is sharded 1/L (attached optimizer) or whole (pure hook)."""
+    """Whether the state is sharded 1/L (attached optimizer) or whole (in the hook)."""
 
     @property
     def total(self) -> float:

@@ -80,7 +80,7 @@ def memory_rows(L: int, params: float | None = None, *, period: int = 4, fragmen
             f"2/L + 2/L x {inflight:g} of the model in flight",
             2 / L + 2 / L * inflight,
         ),
-        ("pure hook (no optimizer), bf16 + outer", "whole state: anchor + momentum 2", 2.0),
+        ("in the hook (no optimizer), bf16 + outer", "whole state: anchor + momentum 2", 2.0),
     ]
     return [
         {"mode": m, "formula": f, "fraction_of_P": frac, "bytes": None if P is None else frac * P}
