@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .futures import after, completed, span, then, wait, when_all, wrap
+from .futures import after, completed, ready_now, span, then, wait, when_all, wrap
 from .issuing import Sequencer, all_gather, issue, reduce_scatter
 from .stats import Stats
 from .topology import Groups
@@ -104,7 +104,7 @@ class HierComm:
         all-gather) share the rail with these, so every rail collective is sequenced.
         """
         return self._seq_rail.submit(
-            completed(None, tensor.device), lambda: self.rail_allreduce(tensor, what), tensor.device, what
+            ready_now(tensor.device), lambda: self.rail_allreduce(tensor, what), tensor.device, what
         )
 
     # ------------------------------------------------------------- exact (period 1)
@@ -249,7 +249,7 @@ class HierComm:
                 raise wrap(e, phase) from e
             red = span("hiersync/intra_reduce", then(red, wait, tensor.device, phase))
         else:
-            red = completed(None, tensor.device)
+            red = ready_now(tensor.device)
         if g.is_leader and topo.num_nodes > 1:
 
             def leaders_leg() -> torch.futures.Future:
@@ -364,7 +364,7 @@ class HierComm:
         phase = self._phase("inter all-to-all of quantized pieces on the rail")
         self.stats.record(INTER, "all_to_all", N, packed.numel())
         first = self._seq_rail.submit(
-            completed(None, packed.device),
+            ready_now(packed.device),
             lambda: self.rail_all_to_all(received, packed, phase),
             packed.device,
             phase,
@@ -399,7 +399,7 @@ class HierComm:
         n = shard.numel()
         if out.numel() != L * n:
             raise ValueError(f"gather_node: out has {out.numel()} values, needs {L} x {n}")
-        done = self._gather_shards(lambda: (out, shard), n, out, completed(None, out.device), "parameter gather")
+        done = self._gather_shards(lambda: (out, shard), n, out, ready_now(out.device), "parameter gather")
         return after(done, lambda: out, out.device)
 
     def gather_node_after(
@@ -437,7 +437,7 @@ class HierComm:
         node = topo.node_ranks(g.rank)
         L = len(node)
         nbytes = flat.numel() * flat.element_size()
-        ready = completed(None, flat.device)
+        ready = ready_now(flat.device)
         if g.is_leader:
             flat.mul_(L / self.world_size)
             phase = self._phase("inter parameter all-reduce among leaders")

@@ -38,6 +38,7 @@ __all__ = [
     "HierSyncError",
     "new_future",
     "completed",
+    "ready_now",
     "failed",
     "wait",
     "settle",
@@ -69,6 +70,20 @@ def completed(value: Any, device: torch.device | None = None) -> Future:
     fut = new_future(device or torch.device("cpu"))
     fut.set_result(value)
     return fut
+
+
+def ready_now(device: torch.device) -> Future:
+    """A completed future to launch a later leg after: what the current stream has queued so far.
+
+    A leg the :class:`~hiersync.issuing.Sequencer` launches runs on hiersync's side stream
+    after ``wait(ready)``. A device future records events only for the devices of the
+    tensors in its value, so on CUDA this one holds a one-element marker tensor: setting it
+    records an event on the current stream, and waiting on it makes the side stream wait for
+    the inputs the caller has just written. On CPU it is a plain completed future.
+    """
+    if device.type != "cuda":
+        return completed(None)
+    return completed(torch.empty(1, device=device), device)
 
 
 def failed(error: BaseException, device: torch.device | None = None) -> Future:
