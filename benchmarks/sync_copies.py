@@ -1,9 +1,10 @@
-"""Host-side copy time of one cross-node sync's launch and completion (issue 12 item 2).
+"""Host-side copy time of one cross-node sync's launch and completion.
 
 Compares, in one process with the communication mocked (no processes, no network), the
-whole-vector path (``ParamAverager``: ``torch.cat`` of the chunk's parameters, delta and
-cast of the whole vector, whole-vector target maths) with the sharded one
-(``ShardedAverager``: this rank's 1/L shard only, in-place target maths), for an 8-layer
+whole-vector average of the pure hook (``HookAverager``: ``torch.cat`` of the chunk's
+parameters, delta and cast of the whole vector, whole-vector target maths) with the
+rail-sharded one after ``optimizer.step()`` (``ReplicatedNodeAverager``: this rank's 1/L
+shard only, in-place target maths), for an 8-layer
 MLP of 8.4M parameters, bf16 deltas and the outer Nesterov step, as a rank of a node of L
 ranks sees it. The node gather of the sharded path is a collective and is not timed here.
 
@@ -19,14 +20,16 @@ import types
 
 import torch
 
+from hiersync.averagers import ReplicatedNodeAverager
 from hiersync.futures import completed
-from hiersync.localsgd import ParamAverager
-from hiersync.shards import ShardedAverager
+from hiersync.localsgd import HookAverager, Registry
+from hiersync.topology import Topology
 
 
 def _fake_comm(L: int):
     groups = types.SimpleNamespace(node_size=L, local_rank=0)
     return types.SimpleNamespace(
+        topology=Topology.from_node_ids([n for n in range(2) for _ in range(L)]),
         groups=groups,
         average_across_nodes=lambda t: completed(t),
         average_shard=lambda t: completed(t),
@@ -52,20 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     params = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(8)]
     comm = _fake_comm(args.ranks_per_node)
     opts = dict(compress=torch.bfloat16, outer_lr=0.7, outer_momentum=0.9)
-    whole = ParamAverager(comm, **opts)
-    whole.register(params)
+    registry = Registry()
+    idx = registry.register(params)
+    whole = HookAverager(comm, registry, **opts)
     whole.capture_anchor(params)
-    sharded = ShardedAverager(ParamAverager(comm, **opts))
-    sharded.base.register(params)
-    idx = list(range(len(params)))
-    sharded.capture_chunks([idx])
+    sharded = ReplicatedNodeAverager(comm, registry, **opts)
+    sharded.capture([idx])
 
-    def cycle(avg) -> None:  # launch with a snapshot (overlap), complete, correction
-        launched = avg.launch(params, keep_snapshot=True)
-        target = avg.complete(launched)
-        target.sub_(launched.snapshot)
+    def cycle_whole() -> None:  # launch, complete, correction against a snapshot
+        snapshot = torch.cat([p.detach().reshape(-1) for p in params])
+        whole.complete(whole.launch(params)).sub_(snapshot)
 
-    t_whole, t_shard = _time(lambda: cycle(whole), args.repeats), _time(lambda: cycle(sharded), args.repeats)
+    def cycle_sharded() -> None:  # the same through the rail average's own snapshot
+        launched = sharded._launch(sharded.chunk(idx), keep_snapshot=True)
+        assert launched.snapshot is not None
+        sharded.complete(launched).sub_(launched.snapshot)
+
+    t_whole, t_shard = _time(cycle_whole, args.repeats), _time(cycle_sharded, args.repeats)
     n = sum(p.numel() for p in params)
     print(f"{n / 1e6:.1f}M parameters, bf16 deltas + outer Nesterov, L={args.ranks_per_node}, median of {args.repeats}")
     print(f"whole-vector launch+complete: {t_whole * 1e3:7.1f} ms")

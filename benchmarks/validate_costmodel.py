@@ -8,8 +8,8 @@ same run, when ``--profile`` is not given) this measures, on every rank at once:
 2. full training steps of a synthetic MLP under DDP: compute alone (a no-op hook), DDP's
    default all-reduce, and the hiersync hook at several DDP bucket sizes;
 
-and compares them with :func:`hiersync.costmodel.hierarchical_allreduce_time`,
-:func:`~hiersync.costmodel.flat_allreduce_time` and :func:`~hiersync.costmodel.step_time`.
+and compares them with :func:`hiersync.costmodel.predict_two_level`,
+:func:`~hiersync.costmodel.predict_allreduce` and :func:`~hiersync.costmodel.step_time`.
 It prints one table per part with the relative error ``(predicted - measured) /
 measured`` and the median absolute error, and writes everything as JSON (``--out``).
 
@@ -17,8 +17,13 @@ Runs like ``calibrate``: under ``torchrun`` (one process per rank, ``env://``), 
 emulated testbed (``python -m hiersync testbed ... -- benchmarks/validate_costmodel.py``),
 or locally with ``--nodes N --procs-per-node L`` (forked ranks, loopback).
 
+``--published`` needs no ranks: it scores :func:`~hiersync.costmodel.predict_allreduce`
+against the published all-reduce measurements of ``benchmarks/data/published_allreduce.csv``
+(:mod:`hiersync.costmodel.validation`): the median error per regime, every point, the worst.
+
 Example::
 
+    python benchmarks/validate_costmodel.py --published
     python -m hiersync calibrate --nodes 2 --procs-per-node 2 --out profile.json
     python benchmarks/validate_costmodel.py --nodes 2 --procs-per-node 2 --profile profile.json
     python -m hiersync testbed --nodes 2 --procs-per-node 2 --inter-rate 800mbit -- \\
@@ -38,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync.costmodel.validation import DEFAULT_CSV, load_rows, score
+from hiersync.costmodel.validation import format_report as format_published
 from hiersync.tools import calibrate as cal
 from hiersync.tools.sweep import sync_device, world_max
 from hiersync.vocab import format_size
@@ -259,27 +266,13 @@ def _rel(pred: float, meas: float) -> float:
 
 def predict(result: Mapping[str, Any], profile: cm.Profile) -> dict[str, Any]:
     """Add predictions and relative errors to ``result``; return the report dict."""
-    N, L = profile.nodes, profile.ranks_per_node
-    links = (profile.intra, profile.inter, profile.rails)
-    algo, eta = profile.flat_algorithm, profile.tree_efficiency
     # The variant HierComm ran; results written before it was recorded ran "rs_ag" (HierComm had no other).
     intra_algorithm = result.get("intra_algorithm", "rs_ag")
     rows = []
     for c in result["collectives"]:
         n = c["bytes"]
-        two = cm.hierarchical_allreduce_time(
-            n,
-            N,
-            L,
-            *links,
-            algo,
-            efficiency=eta,
-            reduce_scatter=profile.intra_reduce_scatter,
-            all_gather=profile.intra_all_gather,
-            intra_algorithm=intra_algorithm,
-            broadcast=profile.intra_broadcast,
-        )
-        flat = cm.flat_allreduce_time(n, N, L, *links, algo, efficiency=eta)
+        two = sum(cm.predict_two_level(n, profile, intra_algorithm))
+        flat = cm.predict_allreduce(n, profile)
         rows.append(
             {
                 **c,
@@ -397,11 +390,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-steps", action="store_true", help="collectives only")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--published",
+        nargs="?",
+        const=str(DEFAULT_CSV),
+        metavar="CSV",
+        help="no ranks: score the model against published measurements instead "
+        "(default benchmarks/data/published_allreduce.csv)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.published:
+        print(format_published(score(load_rows(args.published))))
+        return 0
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,4 +1,4 @@
-"""hiersync: hierarchical gradient sync for PyTorch DDP.
+"""hiersync: hierarchical gradient sync for PyTorch DDP and FSDP2.
 
 Gradient buckets are averaged inside each node every step (fast links) and parameters
 across nodes only every ``period`` steps (slow links), with cost models that predict when
@@ -23,12 +23,20 @@ from .topology import Topology
 
 if TYPE_CHECKING:
     from .ddp import HierState, hook, register
+    from .fsdp import FSDPState, node_mesh
     from .futures import HierSyncError
 
-__all__ = ["HierState", "hook", "register", "Topology", "Schedule", "Stats", "HierSyncError"]
+__all__ = ["HierState", "hook", "register", "node_mesh", "FSDPState", "Topology", "Schedule", "Stats", "HierSyncError"]
 __version__ = "0.1.0"
 
-_LAZY = {"HierState": "ddp", "hook": "ddp", "register": "ddp", "HierSyncError": "futures"}
+_LAZY = {
+    "HierState": "ddp",
+    "hook": "ddp",
+    "register": "ddp",
+    "node_mesh": "fsdp",
+    "FSDPState": "fsdp",
+    "HierSyncError": "futures",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,141 +27,20 @@ Example::
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from . import emulation
-from .futures import (
-    Future,
-    HierSyncError,
-    after,
-    completed,
-    forward,
-    new_future,
-    on_side_stream,
-    span,
-    then,
-    wait,
-    when_all,
-    wrap,
-)
+from .futures import after, completed, span, then, wait, when_all, wrap
+from .issuing import Sequencer, all_gather, issue, reduce_scatter
 from .stats import Stats
 from .topology import Groups
 from .vocab import INTRA_ALGORITHMS, Level, default_intra_algorithm
 
 INTRA, INTER = Level.INTRA, Level.INTER
 
-__all__ = ["HierComm", "Sequencer", "HierSyncError", "completed", "wait", "INTRA_ALGORITHMS"]
-
-
-class Sequencer:
-    """Issue collectives on one group in submission order, whatever order inputs complete in.
-
-    ``submit(ready, launch)`` calls ``launch()`` once ``ready`` is done *and* every earlier
-    submission has been launched (or has failed: a failed submission is marked issued only
-    after every earlier one, so the order of the rest never changes). ``launch`` issues one
-    async collective and returns its future; ``submit`` returns a device future of that
-    collective's result. ``launch`` runs on hiersync's side stream after that stream has
-    waited on ``ready`` (docs/design.md, "CUDA streams").
-    """
-
-    def __init__(self) -> None:
-        self._tail: Future = completed(None)
-        self._lock = threading.Lock()
-
-    def submit(self, ready: Future, launch: Callable[[], Future], device: torch.device, phase: str) -> Future:
-        out = new_future(device)
-        issued: Future = Future()
-        with self._lock:
-            prev, self._tail = self._tail, issued
-
-        def go(_: Future) -> None:
-            try:
-                with on_side_stream(device):
-                    wait(ready)  # re-raise the upstream failure; on CUDA the side stream waits
-                    work = launch()
-            except Exception as e:
-                issued.set_result(None)
-                out.set_exception(wrap(e, phase))
-                return
-            issued.set_result(None)
-            work.add_done_callback(lambda w: forward(w, out, phase))
-
-        # Both must be done: ``ready`` may fail while ``prev`` is still being issued.
-        prev.add_done_callback(lambda _: ready.add_done_callback(go))
-        return out
-
-
-# torch 2.13 renamed reduce_scatter_tensor; keep working on older releases (>= 2.4).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Waiter:
-    """One daemon thread that turns ``Work`` objects without ``get_future()`` into futures.
-
-    gloo's reduce-scatter work does not implement ``get_future()`` (torch 2.13). Works are
-    waited in submission order, which is the order a group completes them in anyway.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, work: dist.Work, value) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="hiersync-waiter", daemon=True)
-                self._thread.start()
-        self._queue.put((work, value, fut))
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            work, value, fut = self._queue.get()
-            try:
-                work.wait()
-            except Exception as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(value)
-
-
-_WAITER = _Waiter()
-
-
-def _async(work: dist.Work | None, value=None) -> torch.futures.Future:
-    """The future of an async collective; ``value`` is its result where the backend has none."""
-    assert work is not None
-    try:
-        return work.get_future()
-    except RuntimeError as e:
-        if "not implemented" not in str(e):
-            raise
-        return _WAITER.submit(work, [value])
-
-
-def _issue(op: Callable, out: torch.Tensor, *inputs: torch.Tensor, what: str, **kw) -> torch.futures.Future:
-    """Launch ``op(out, *inputs, async_op=True, **kw)``; the future's value is ``[out]``.
-
-    Every collective hiersync launches goes through here, so ``HIERSYNC_EMULATE_NCCL=1``
-    (:mod:`hiersync.emulation`) covers them all: ``out`` is what the collective writes
-    (all of them write their first argument, except a broadcast on its source rank).
-    """
-
-    def start(*ts: torch.Tensor) -> torch.futures.Future:
-        return _async(op(*ts, async_op=True, **kw), ts[0])
-
-    if not emulation.enabled():
-        return start(out, *inputs)
-    writes = not (op is dist.broadcast and kw["src"] == dist.get_rank())
-    return emulation.launch(start, (out, *inputs), [0] if writes else [], what)
+__all__ = ["HierComm"]
 
 
 class HierComm:
@@ -205,6 +84,19 @@ class HierComm:
         where = f"rank {g.rank}, node ranks {node}, rail ranks {rail}"
         return f"{what} ({ctx}; {where})" if ctx else f"{what} ({where})"
 
+    # ------------------------------------------------------------- the rail
+    def rail_nodes(self) -> int:
+        """Nodes that take part in a rail collective: the topology's (a fault-tolerant rail: its quorum's)."""
+        return self.topology.num_nodes
+
+    def rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Sum ``tensor`` in place over this rank's rail; the future's value is ``[tensor]``.
+
+        Every collective across nodes goes through here (callers divide by
+        :meth:`rail_nodes` first), so a different rail (torchft's) replaces these two methods.
+        """
+        return issue(dist.all_reduce, tensor, group=self.groups.rail, what=what)
+
     # ------------------------------------------------------------- exact (period 1)
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` (1-D) over the world; the future's value is the averaged tensor.
@@ -218,17 +110,20 @@ class HierComm:
         if not self.topology.even:
             return self._allreduce_uneven(tensor)
         if L == 1:
-            return self._flat(tensor, g.rail, INTER, "exact all-reduce over nodes")
+            return self._flat(tensor, None, INTER, "exact all-reduce over nodes", rail=True)
         if N == 1:
             return self._flat(tensor, g.intra, INTRA, "exact all-reduce inside the node")
         return self._allreduce_two_level(tensor, L)
 
-    def _flat(self, tensor: torch.Tensor, group, level: str, what: str) -> torch.futures.Future:
-        size = dist.get_world_size(group)
+    def _flat(self, tensor: torch.Tensor, group, level: str, what: str, rail: bool = False) -> torch.futures.Future:
+        size = self.rail_nodes() if rail else dist.get_world_size(group)
         tensor.div_(size)
         self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
-            fut = _issue(dist.all_reduce, tensor, group=group, what=what)
+            if rail:
+                fut = self.rail_allreduce(tensor, what)
+            else:
+                fut = issue(dist.all_reduce, tensor, group=group, what=what)
         except Exception as e:
             raise wrap(e, self._phase(what)) from e
         fut = then(fut, lambda f: wait(f)[0], tensor.device, self._phase(what))
@@ -243,21 +138,21 @@ class HierComm:
         else:
             flat = torch.zeros(shard_len * L, dtype=tensor.dtype, device=tensor.device)
             flat[:n].copy_(tensor)
-        flat.div_(self.world_size)
+        N = self.rail_nodes()
+        flat.div_(L * N)
         esize = tensor.element_size()
-        N = self.topology.num_nodes
         lo = g.local_rank * shard_len
         if self.intra_algorithm == "rs_ag":
             shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
             phase = self._phase("intra reduce-scatter")
             self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
-            launch = lambda: _issue(_reduce_scatter, shard, flat, group=g.intra, what=phase)
+            launch = lambda: issue(reduce_scatter, shard, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_reduce_scatter"
         else:
             shard = flat[lo : lo + shard_len]  # reduced in place by the node-wide all-reduce
             phase = self._phase("intra all-reduce")
             self.stats.record(INTRA, "all_reduce", L, flat.numel() * esize)
-            launch = lambda: _issue(dist.all_reduce, flat, group=g.intra, what=phase)
+            launch = lambda: issue(dist.all_reduce, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_allreduce"
         try:
             first = launch()
@@ -266,7 +161,7 @@ class HierComm:
         first = span(span_name, then(first, wait, tensor.device, phase))
 
         def rail_leg() -> torch.futures.Future:
-            return _issue(dist.all_reduce, shard, group=g.rail, what="inter all-reduce on the rail")
+            return self.rail_allreduce(shard, "inter all-reduce on the rail")
 
         self.stats.record(INTER, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
@@ -299,7 +194,7 @@ class HierComm:
 
             def launch() -> torch.futures.Future:
                 padded, shard = buffers()
-                return _issue(_all_gather, padded, shard, group=g.intra_late, what=f"intra {what}")
+                return issue(all_gather, padded, shard, group=g.intra_late, what=f"intra {what}")
 
             span_name = "hiersync/intra_all_gather"
         else:
@@ -312,7 +207,7 @@ class HierComm:
                 if shard.data_ptr() != padded[lo:].data_ptr():
                     padded[lo : lo + shard_len].copy_(shard)
                 futs = [
-                    _issue(
+                    issue(
                         dist.broadcast,
                         padded[r * shard_len : (r + 1) * shard_len],
                         src=node[r],
@@ -339,7 +234,7 @@ class HierComm:
             phase = self._phase("intra reduce to the node leader")
             self.stats.record(INTRA, "reduce", L, nbytes)
             try:
-                red = _issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
+                red = issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
             except Exception as e:
                 raise wrap(e, phase) from e
             red = span("hiersync/intra_reduce", then(red, wait, tensor.device, phase))
@@ -348,7 +243,7 @@ class HierComm:
         if g.is_leader and topo.num_nodes > 1:
 
             def leaders_leg() -> torch.futures.Future:
-                return _issue(dist.all_reduce, tensor, group=g.rail, what="inter all-reduce among leaders")
+                return self.rail_allreduce(tensor, "inter all-reduce among leaders")
 
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
@@ -356,7 +251,7 @@ class HierComm:
         if L > 1:
 
             def bcast_leg() -> torch.futures.Future:
-                return _issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what="intra broadcast")
+                return issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what="intra broadcast")
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
@@ -418,10 +313,10 @@ class HierComm:
         """Average this rank's shard of a node-sharded vector across nodes, on its rail.
 
         The first half of :meth:`average_across_nodes` for callers that keep per-shard
-        state (:mod:`hiersync.shards`): ``shard`` is divided by the number of nodes and
+        state (:mod:`hiersync.averagers`): ``shard`` is divided by the number of nodes and
         all-reduced in place; the future holds it. Even nodes only.
         """
-        N = self.topology.num_nodes
+        N = self.rail_nodes()
         if N == 1:
             return completed(shard, shard.device)
         if not self.topology.even:
@@ -430,11 +325,60 @@ class HierComm:
         phase = self._phase("inter parameter all-reduce on the rail")
         self.stats.record(INTER, "all_reduce", N, shard.numel() * shard.element_size())
         try:
-            fut = _issue(dist.all_reduce, shard, group=self.groups.rail, what=phase)
+            fut = self.rail_allreduce(shard, phase)
         except Exception as e:
             raise wrap(e, phase) from e
         fut = then(fut, lambda f: wait(f)[0], shard.device, phase)
         return span("hiersync/inter_param_allreduce", fut)
+
+    def average_quantized(
+        self, packed: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.futures.Future:
+        """Average a quantized shard on the rail: all-to-all, reduce, all-gather (even nodes only).
+
+        ``packed`` holds :meth:`rail_nodes` pieces of equal bytes (codes and scales of
+        consecutive blocks, :mod:`hiersync.quant`); rank ``j`` of the rail receives piece
+        ``j`` of every node, ``reduce(received)`` (run once they are in, on hiersync's side
+        stream) turns those ``N`` pieces into this rank's averaged piece, and the rail
+        all-gathers the averaged pieces. The future holds the gathered bytes (``N`` pieces,
+        in piece order). Both legs go through the rail's :class:`Sequencer`, in the order
+        of these calls on every rank.
+        """
+        N = self.rail_nodes()
+        if N == 1:
+            return completed(reduce(packed), packed.device)
+        if packed.numel() % N:
+            raise ValueError(f"average_quantized: {packed.numel()} bytes do not split into {N} pieces")
+        piece = packed.numel() // N
+        received = torch.empty_like(packed)
+        phase = self._phase("inter all-to-all of quantized pieces on the rail")
+        self.stats.record(INTER, "all_to_all", N, packed.numel())
+        first = self._seq_rail.submit(
+            completed(None, packed.device),
+            lambda: self.rail_all_to_all(received, packed, phase),
+            packed.device,
+            phase,
+        )
+        cell: list[torch.Tensor] = []
+
+        def gather() -> torch.futures.Future:
+            mine = reduce(received)
+            if mine.numel() != piece:
+                raise ValueError(f"average_quantized: the reduced piece has {mine.numel()} bytes, expected {piece}")
+            cell.append(torch.empty(N * piece, dtype=packed.dtype, device=packed.device))
+            return self.rail_all_gather(cell[0], mine, "inter all-gather of averaged pieces on the rail")
+
+        self.stats.record(INTER, "all_gather", N, N * piece)
+        done = self._seq_rail.submit(first, gather, packed.device, self._phase("inter all-gather of averaged pieces"))
+        return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
+
+    def rail_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it (see :meth:`rail_allreduce`)."""
+        return issue(dist.all_to_all_single, out, tensor, group=self.groups.rail, what=what)
+
+    def rail_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Every rail rank's ``tensor`` into ``out``, in rail order (see :meth:`rail_allreduce`)."""
+        return issue(all_gather, out, tensor, group=self.groups.rail, what=what)
 
     def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
         """All-gather the node's shards (``L * len(shard)`` values) into ``out``; the future holds it."""
@@ -489,14 +433,14 @@ class HierComm:
             phase = self._phase("inter parameter all-reduce among leaders")
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
             try:
-                ready = then(_issue(dist.all_reduce, flat, group=g.rail, what=phase), wait, flat.device, phase)
+                ready = then(self.rail_allreduce(flat, phase), wait, flat.device, phase)
             except Exception as e:
                 raise wrap(e, phase) from e
             ready = span("hiersync/inter_param_allreduce", ready)
         if L > 1:
 
             def bcast_leg() -> torch.futures.Future:
-                return _issue(dist.broadcast, flat, src=node[0], group=g.intra_late, what="intra parameter broadcast")
+                return issue(dist.broadcast, flat, src=node[0], group=g.intra_late, what="intra parameter broadcast")
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
             ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))

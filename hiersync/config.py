@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schedule import Schedule
-from .vocab import COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB, Placement
+from .vocab import COMPRESS_CODES, COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
 ALGORITHMS = ("two_level", "flat", "auto")
 """Exact-step all-reduce: two-level, one world all-reduce, or chosen per bucket size."""
-COMPRESS = (None, "none", *COMPRESS_DTYPES)
+COMPRESS = (None, "none", *COMPRESS_DTYPES, *COMPRESS_CODES)
 """Inter-node payload of the parameter average (``None``/``"none"``: fp32)."""
 NONFINITE = NONFINITE_MODES
 """What a NaN/Inf gradient does."""
@@ -55,7 +55,9 @@ class HierConfig:
     fragments: int = 1
     """Streaming: sync the parameters in this many fragments on staggered steps (schedule.py)."""
     compress: str | None = None
-    """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits."""
+    """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits;
+    ``"int8"``/``"int4"``: block-quantized, with error feedback (needs an attached optimizer
+    and nodes of equal size)."""
     outer_lr: float | None = None
     """DiLoCo outer Nesterov learning rate on the averaged pseudo-gradient; None = plain average."""
     outer_momentum: float = 0.0
@@ -121,14 +123,3 @@ class HierConfig:
     @property
     def chunk_bytes(self) -> int:
         return int(self.chunk_mb * MiB)
-
-    @property
-    def needs_anchor(self) -> bool:
-        """Whether the averager keeps an fp32 anchor (delta compression or an outer step)."""
-        return self.compress is not None or self.outer_lr is not None
-
-    def placement(self, attached: bool) -> Placement:
-        """Where the period-k parameter average runs, given whether an optimizer is attached."""
-        if not attached:
-            return Placement.HOOK
-        return Placement.OVERLAP if self.overlap else Placement.OPTIMIZER

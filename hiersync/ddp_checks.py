@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from .topology import Topology
+from .vocab import COMPRESS_CODES
 
 if TYPE_CHECKING:
-    from .ddp import HierState
+    from .frontend import SyncState
 
 __all__ = [
     "check_constructible",
@@ -50,7 +51,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def check_attachable(state: HierState, optimizer: Any) -> None:
+def check_attachable(state: SyncState, optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if state._optimizer is not None:
@@ -59,7 +60,7 @@ def check_attachable(state: HierState, optimizer: Any) -> None:
         check_optimizer_owns(optimizer, state._model.parameters())
 
 
-def check_usable(state: HierState) -> None:
+def check_usable(state: SyncState) -> None:
     if state._closed:
         raise RuntimeError("this HierState was closed; build a new one and register the hook again")
     if not dist.is_initialized() or dist.group.WORLD is not state._world_group:
@@ -70,6 +71,12 @@ def check_usable(state: HierState) -> None:
             "again) after every init_process_group, e.g. after an elastic restart"
         )
     cfg = state.config
+    if cfg.compress in COMPRESS_CODES and state._optimizer is None:
+        raise RuntimeError(
+            f"HierState(compress={cfg.compress!r}) needs an optimizer: its error feedback is kept by the sync "
+            "after optimizer.step(); call state.attach_optimizer(optimizer) before training (or "
+            "hiersync.register(model, optimizer, ...)), or use compress='bf16' in the hook"
+        )
     if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
         raise RuntimeError(
             f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after "

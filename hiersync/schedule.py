@@ -99,19 +99,19 @@ class Schedule:
         return exact + rest // self.period * len(offsets) + sum(o < rest % self.period for o in offsets)
 
 
-def fragment_layout(sizes: list[int], fragments: int) -> list[list[int]]:
+def fragment_layout(sizes: list[int], fragments: int, what: str = "parameter tensors") -> list[list[int]]:
     """Split tensors of ``sizes`` (bytes, in registry order) into ``fragments`` lists of indices.
 
-    Tensors are never cut (per-tensor state stays simple, and an FSDP unit is a natural
-    fragment). Each tensor goes, in order, to the fragment holding the fewest bytes so far
+    Items (parameter tensors, or FSDP units) are never cut: per-tensor state stays simple,
+    and an FSDP unit is a natural fragment. Each tensor goes, in order, to the fragment holding the fewest bytes so far
     (ties: the lowest index): consecutive layers land in different fragments, the strided
     pattern Streaming DiLoCo found better than contiguous blocks, and the fragments hold
     about equal bytes. Deterministic, so identical on every rank.
     """
     if fragments > len(sizes):
         raise ValueError(
-            f"fragments={fragments} but the model has only {len(sizes)} parameter tensors (a fragment holds "
-            f"whole tensors): use fragments <= {len(sizes)}"
+            f"fragments={fragments} but the model has only {len(sizes)} {what} (a fragment holds "
+            f"whole {what}): use fragments <= {len(sizes)}"
         )
     load = [0] * fragments
     out: list[list[int]] = [[] for _ in range(fragments)]

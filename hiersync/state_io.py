@@ -1,4 +1,4 @@
-"""Checkpointing of :class:`hiersync.HierState`: what resumes the schedule bit for bit.
+"""Checkpointing of a front-end's state (DDP or FSDP2): what resumes the schedule bit for bit.
 
 The local-SGD state (fp32 anchor, outer momentum, corrections in flight) is kept by
 *registry position*: the order in which the hook first sees parameters (DDP's initial
@@ -16,46 +16,54 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .ddp import HierState
+    from .frontend import SyncState
 
 __all__ = ["save", "load", "bootstrap_registry", "check_loaded_shapes", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "hiersync.HierState/1"
-_REQUIRED = ("step", "period", "warmup_steps", "world_size", "averager", "pending")
+FORMAT = "hiersync.HierState/2"
+_REQUIRED = ("step", "period", "warmup_steps", "world_size", "hook", "averager", "in_flight")
 _COUNTERS = ("steps", "exact_steps", "local_steps", "sync_steps", "nonfinite_skips", "nonfinite_sync_skips")
 
 
-def save(state: HierState) -> dict[str, Any]:
+def save(state: SyncState) -> dict[str, Any]:
     """Everything needed to continue the schedule exactly: save it with the model and optimizer.
 
     Syncs in flight are finished first (their completion updates the anchor and
     momentum saved here) and saved as corrections still to apply. Collective when a
     sync step's average is still owed (it is launched here, as on every other node).
     """
-    state.engine.launch_owed()
+    state.engine.launch_due()
     engine = state.engine.state()
     return {
         "format": FORMAT,
+        "frontend": state.FRONTEND,
         "step": state.step,
         "period": state.period,
         "warmup_steps": state.warmup_steps,
         "world_size": state.world_size,
         "nodes": [list(n) for n in state.topology.nodes],
-        "param_shapes": [tuple(p.shape) for p in state.averager.params],
+        "param_shapes": [tuple(p.shape) for p in state.registry.params],
         "model_positions": _model_positions(state),
+        "hook": state.hook_averager.state() if state.hook_averager is not None else None,
         **engine,
         "stats": state.stats.as_dict(),
     }
 
 
-def load(state: HierState, state_dict: dict[str, Any]) -> None:
+def load(state: SyncState, state_dict: dict[str, Any]) -> None:
     """Restore from :meth:`state_dict`. Call before the first backward after a restart.
 
     A checkpoint from another model raises ``ValueError`` here when the state knows the
     model (:func:`hiersync.register`), else at the end of the first backward.
     """
+    if isinstance(state_dict, dict) and state_dict.get("format") == "hiersync.HierState/1":
+        raise ValueError(
+            "this hiersync state_dict was saved by an older hiersync (format 'hiersync.HierState/1'), whose "
+            "local-SGD state this version does not read: resume it with that version, or call "
+            "state.synchronize(model) there, save the model and optimizer, and start a fresh HierState"
+        )
     if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
         raise ValueError(
             "not a hiersync HierState state_dict (missing or wrong 'format' key, expected "
@@ -64,6 +72,13 @@ def load(state: HierState, state_dict: dict[str, Any]) -> None:
     missing = [k for k in _REQUIRED if k not in state_dict]
     if missing:
         raise ValueError(f"corrupt hiersync state_dict: missing keys {missing}")
+    frontend = state_dict.get("frontend", state.FRONTEND)
+    if frontend != state.FRONTEND:
+        raise ValueError(
+            f"this hiersync state_dict was saved by the {frontend!r} front-end, but this state is the "
+            f"{state.FRONTEND!r} one: its local-SGD state is laid out differently; call state.synchronize(model) "
+            "before saving and start a fresh state instead"
+        )
     if state_dict["world_size"] != state.world_size:
         raise ValueError(
             f"hiersync state_dict was saved with world size {state_dict['world_size']} but this job has "
@@ -86,16 +101,17 @@ def load(state: HierState, state_dict: dict[str, Any]) -> None:
         "positions": state_dict.get("model_positions"),
     }
     # Check before anything is changed: a failed load leaves the state as it was.
-    if state.averager.params:
-        _check_shapes(loaded, state.averager.params)
+    if state.registry.params:
+        _check_shapes(loaded, state.registry.params)
     elif state._model is not None and loaded["positions"]:
         _params_in_saved_order(loaded, state._model)
     # unchecked facts wait for the model (synchronize) or the first backward
-    state._loaded = None if state.averager.params else loaded
-    state.engine.load(state_dict["averager"], state_dict["pending"])
+    state._loaded = None if state.registry.params else loaded
+    if state.hook_averager is not None:
+        state.hook_averager.load(state_dict["hook"] or {})
+    state.engine.load(state_dict["averager"], state_dict["in_flight"])
     state.step = step
     state._kind = None
-    state._last_kind = None
     state._stepped_for = step
     saved = state_dict.get("stats") or {}
     for k in _COUNTERS:
@@ -105,19 +121,19 @@ def load(state: HierState, state_dict: dict[str, Any]) -> None:
         bootstrap_registry(state, state._model)
 
 
-def bootstrap_registry(state: HierState, model: torch.nn.Module) -> None:
+def bootstrap_registry(state: SyncState, model: torch.nn.Module) -> None:
     """Before the first backward: register ``model``'s parameters in the checkpoint's order."""
     loaded = state._loaded
-    if loaded is None or state.averager.params or not loaded["positions"]:
+    if loaded is None or state.registry.params or not loaded["positions"]:
         return
-    state.averager.register(_params_in_saved_order(loaded, model))  # binds anchor and momentum
+    state.registry.register(_params_in_saved_order(loaded, model))  # binds anchor and momentum
     state._loaded = None
 
 
-def check_loaded_shapes(state: HierState) -> None:
+def check_loaded_shapes(state: SyncState) -> None:
     loaded, state._loaded = state._loaded, None
     if loaded:
-        _check_shapes(loaded, state.averager.params)
+        _check_shapes(loaded, state.registry.params)
 
 
 def _params_in_saved_order(loaded: dict[str, Any], model: torch.nn.Module) -> list[torch.Tensor]:
@@ -142,12 +158,12 @@ def _check_shapes(loaded: dict[str, Any], params: list[torch.Tensor]) -> None:
         )
 
 
-def _model_positions(state: HierState) -> list[int] | None:
+def _model_positions(state: SyncState) -> list[int] | None:
     """Each registry position's index in ``model.parameters()``, or None without a model."""
-    if state._model is None or not state.averager.params:
+    if state._model is None or not state.registry.params:
         return None
     where = {id(p): j for j, p in enumerate(state._model.parameters())}
-    positions = [where.get(id(p)) for p in state.averager.params]
+    positions = [where.get(id(p)) for p in state.registry.params]
     if any(j is None for j in positions):
         return None
     return [int(j) for j in positions if j is not None]

@@ -9,6 +9,7 @@ collective         bytes sent per rank
 all-reduce         2 (p - 1) / p * n
 reduce-scatter     (p - 1) / p * n          (n = full input size)
 all-gather         (p - 1) / p * n          (n = full output size)
+all-to-all         (p - 1) / p * n          (n = full input size)
 reduce, broadcast  (p - 1) / p * n
 =================  =======================
 
@@ -29,7 +30,14 @@ __all__ = ["Stats", "INTRA", "INTER", "collective_bytes"]
 INTRA: str = Level.INTRA.value
 INTER: str = Level.INTER.value
 
-_FACTORS = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "reduce": 1.0, "broadcast": 1.0}
+_FACTORS = {
+    "all_reduce": 2.0,
+    "reduce_scatter": 1.0,
+    "all_gather": 1.0,
+    "all_to_all": 1.0,
+    "reduce": 1.0,
+    "broadcast": 1.0,
+}
 
 
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:

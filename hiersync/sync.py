@@ -1,24 +1,26 @@
 """The cross-node sync engine: period-k parameter averaging after the optimizer step.
 
-Free of DDP (so an FSDP2 front-end can reuse it; docs/design.md): it works on the averager's registry of
-parameters and is told, by a front-end, when a sync step's update is done. It runs the
-average blocking (every rank holds identical parameters when it returns), overlapped
-(launched now, applied later as a delta correction ``x += target - snapshot``, so the
-rank's own progress since the snapshot is kept), or deferred (the same, for a node whose
-``optimizer.step()`` was skipped: its collectives still run, in the same order as on
-every other node, so the nodes never desynchronize).
+Free of DDP and FSDP: it asks an :class:`Averager` (the one interface both front-ends
+implement, :mod:`hiersync.averagers`) to average *chunks* of the registered parameters
+across nodes, and a front-end tells it when a sync step's backward ended
+(:meth:`CrossNodeSync.mark_due`) and when ``optimizer.step()`` ran
+(:meth:`CrossNodeSync.after_step`). Each fragment's average runs
 
-A sync step's average is *due* from the end of its backward (:meth:`mark_due`). It runs
-after ``optimizer.step()`` (:meth:`after_step`); if that step is skipped (a GradScaler
-overflow on this node) a process-wide forward pre-hook launches it, deferred, before the
-next forward (:meth:`launch_owed`), so every node issues the same collectives in the
-same order.
+* blocking (``overlap=0``): every rank holds identical parameters when it returns;
+* overlapped (``overlap=tau``): launched now and *in flight*; its *correction*
+  ``x += target - snapshot`` is added ``tau`` steps later, so the rank's own progress
+  since the snapshot is kept.
+
+A sync step's average is *due* from the end of its backward. It launches after
+``optimizer.step()``; if that step is skipped (a GradScaler overflow on this node) a
+process-wide forward pre-hook launches it before the next forward (:meth:`launch_due`),
+overlapped, so every node issues the same collectives in the same order.
 
 Example::
 
     >>> engine = CrossNodeSync(averager, Schedule(period=4), overlap=1, chunk_bytes=25 * 2**20)
     >>> engine.mark_due(3); engine.after_step(4)   # sync step 3: launched after optimizer.step()
-    >>> engine.after_step(5)                       # step 4: the correction is applied
+    >>> engine.after_step(5)                       # step 4: its correction is applied
 
 Streaming (``Schedule(fragments=F)``): only the fragments due after a step are averaged,
 each applied ``overlap`` steps after its launch; several may be in flight.
@@ -28,52 +30,149 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.profiler import record_function
 
 from .futures import wait
-from .localsgd import ParamAverager, Pending, chunk_by_bytes
+from .localsgd import chunk_by_bytes
 from .schedule import Schedule, fragment_layout
-from .shards import ShardedAverager
 
-__all__ = ["CrossNodeSync", "build_sync", "world_mean"]
+__all__ = ["Averager", "Launched", "Correction", "CrossNodeSync", "world_mean"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Launched:
+    """A chunk's cross-node average in flight: ``future`` holds the averaged payload.
+
+    Read it only through the averager (:meth:`Averager.complete`), on the stream that uses it.
+    """
+
+    indices: tuple[int, ...]
+    future: torch.futures.Future
+    snapshot: torch.Tensor | None = None
+    """This rank's shard as sent (fp32, before compression), kept when a correction needs it."""
+
+
+@dataclass
+class Correction:
+    """An overlapped sync in flight: ``target - snapshot`` is added to a chunk at ``apply_at``.
+
+    Exactly one of ``future`` (launched here: what :meth:`Averager.add_correction` adds,
+    once the rail leg is done and, on a node of replicas, gathered) and ``shard`` (this
+    rank's shard of it, from a checkpoint) is set.
+    """
+
+    indices: tuple[int, ...]
+    fragment: int
+    apply_at: int
+    """Applied by the first :meth:`CrossNodeSync.after_step` whose step count is at least this."""
+    future: torch.futures.Future | None = None
+    shard: torch.Tensor | None = None
+
+
+class Averager(Protocol):
+    """What :class:`CrossNodeSync` asks of an averager; :mod:`hiersync.averagers` has both kinds.
+
+    A *chunk* is a tuple of registry positions; every method is called with the same
+    chunks in the same order on every rank. "This rank's shard" is the part of a chunk the
+    rank averages on its rail: 1/L of it on a node of replicas, its own parameter shards
+    on a sharded node.
+    """
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The registry: the tensors the engine averages, by position."""
+        ...
+
+    @property
+    def needs_anchor(self) -> bool:
+        """Whether the state holds an fp32 anchor (delta compression or an outer step)."""
+        ...
+
+    def units(self) -> list[tuple[list[int], int]]:
+        """Indivisible groups of positions with their bytes (fp32, whole model), for the fragments."""
+        ...
+
+    def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
+        """The fp32 bytes each position of ``indices`` adds to this rank's transfers."""
+        ...
+
+    def capture(self, chunks: Sequence[Sequence[int]]) -> None:
+        """Remember the current values as the anchor of every chunk that has none yet."""
+        ...
+
+    def launch(self, indices: Sequence[int]) -> Launched:
+        """Start averaging this rank's shard of a chunk across nodes (blocking sync)."""
+        ...
+
+    def complete(self, launched: Launched) -> torch.Tensor:
+        """Wait for ``launched``; this rank's fp32 target; anchor and momentum updated."""
+        ...
+
+    def write(self, indices: Sequence[int], shard: torch.Tensor, add: bool = False) -> None:
+        """Copy (or add) this rank's shard of a target or correction into the parameters.
+
+        Collective inside a node of replicas (the node gathers the shards)."""
+        ...
+
+    def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
+        """Start an overlapped average of a chunk; the future holds what :meth:`add_correction` adds."""
+        ...
+
+    def add_correction(self, indices: Sequence[int], correction: torch.Tensor) -> None:
+        """Add a correction from :meth:`launch_correction`'s future (local: no collective)."""
+        ...
+
+    def own_shard(self, indices: Sequence[int], correction: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of such a correction (what a checkpoint keeps)."""
+        ...
+
+    def shard_numel(self, indices: Sequence[int]) -> int:
+        """Values in this rank's shard of a chunk."""
+        ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def load(self, state: dict[str, Any]) -> None: ...
+
+    def release(self) -> None:
+        """Forget the parameters and their state (the owner is closed)."""
+        ...
+
+
 class CrossNodeSync:
-    """Blocking, overlapped, streaming and deferred cross-node parameter averages of one rank.
+    """Blocking, overlapped and streaming cross-node parameter averages of one rank.
 
     ``schedule`` says which fragments sync after which step (one fragment, the whole
     model, unless ``schedule.fragments > 1``); ``overlap`` is tau: 0 runs each average
     blocking, tau >= 1 applies it ``tau`` steps after its launch.
     """
 
-    def __init__(
-        self, averager: ParamAverager | ShardedAverager, schedule: Schedule, *, overlap: int, chunk_bytes: int
-    ) -> None:
+    def __init__(self, averager: Averager, schedule: Schedule, *, overlap: int, chunk_bytes: int) -> None:
         self.averager = averager
         self.schedule = schedule
         self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
-        self.pending: list[Pending] = []
+        self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
         self._layout: list[list[int]] | None = None
         self._forward_hook: Any = None
 
-    @property
-    def in_flight(self) -> int:
-        """Corrections launched or loaded but not applied yet."""
-        return len(self.pending)
-
     def layout(self) -> list[list[int]]:
         """Registry positions of each fragment (computed once every parameter is registered)."""
         if self._layout is None:
-            sizes = [p.numel() * 4 for p in self.averager.params]
-            self._layout = fragment_layout(sizes, self.schedule.fragments)
+            units = self.averager.units()
+            if not units:  # nothing registered yet: nothing to average (and nothing cached)
+                return [[] for _ in range(self.schedule.fragments)]
+            packed = fragment_layout([size for _, size in units], self.schedule.fragments, what="units")
+            self._layout = [sorted(i for u in f for i in units[u][0]) for f in packed]
         return self._layout
 
     def mark_due(self, step: int) -> None:
@@ -84,25 +183,25 @@ class CrossNodeSync:
         self.due = (step, fragments)
         if self._forward_hook is None:
             ref = weakref.ref(self)
-            self._forward_hook = register_module_forward_pre_hook(lambda *_: _launch_owed(ref))
+            self._forward_hook = register_module_forward_pre_hook(lambda *_: _launch_due(ref))
 
     def after_step(self, steps_done: int) -> None:
         """Call after every ``optimizer.step()`` (``steps_done``: backward passes completed):
         apply the corrections that are due, then run the syncs due after this step."""
         self._unhook()
-        self.apply_pending(steps_done)
+        self.apply_corrections(steps_done)
         due, self.due = self.due, None
         if due is None:
             return
         step, fragments = due
         with torch.no_grad(), record_function("hiersync/sync_after_step"):
             if self.overlap:
-                self.launch_deferred(fragments, apply_at=step + 1 + self.overlap)
+                self.launch_overlapped(fragments, apply_at=step + 1 + self.overlap)
             else:
                 self.run_blocking(fragments)
 
-    def launch_owed(self, where: str = "") -> None:
-        """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, deferred."""
+    def launch_due(self, where: str = "") -> None:
+        """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""
         self._unhook()
         if self.due is None:
             return
@@ -112,8 +211,8 @@ class CrossNodeSync:
             "cross-node average runs now and is applied after the next optimizer.step()",
             where,
         )
-        with torch.no_grad(), record_function("hiersync/sync_deferred"):
-            self.launch_deferred(fragments, apply_at=step + 1 + max(self.overlap, 1))
+        with torch.no_grad(), record_function("hiersync/sync_launched_late"):
+            self.launch_overlapped(fragments, apply_at=step + 1 + max(self.overlap, 1))
 
     def close(self) -> None:
         """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
@@ -122,7 +221,7 @@ class CrossNodeSync:
         state must not keep the model, its copies or the optimizer alive with it.
         """
         self._unhook()
-        self.pending, self.due, self._layout = [], None, None
+        self.in_flight, self.due, self._layout = [], None, None
         self.averager.release()
 
     def _unhook(self) -> None:
@@ -130,13 +229,13 @@ class CrossNodeSync:
             self._forward_hook.remove()
             self._forward_hook = None
 
-    def _chunks(self, fragments: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    def chunks(self, fragments: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
         """(fragment, registry positions) per transfer, in the same order on every rank."""
-        avg, out = self.averager, []
+        out = []
         for f in fragments:
-            idx = self.layout()[f] if self.schedule.fragments > 1 else list(range(len(avg.params)))
-            sizes = [avg.params[i].numel() * 4 for i in idx]
-            out += [(f, [idx[j] for j in part]) for part in chunk_by_bytes(sizes, self.chunk_bytes)]
+            idx = self.layout()[f]
+            sizes = self.averager.chunk_bytes(idx)
+            out += [(f, tuple(idx[j] for j in part)) for part in chunk_by_bytes(sizes, self.chunk_bytes)]
         return out
 
     def _settle_fragment(self, f: int) -> None:
@@ -145,137 +244,106 @@ class CrossNodeSync:
         With tau <= period - 1 this happens only after skipped optimizer steps: a
         fragment's next average needs the anchor its previous one sets.
         """
-        if any(p.fragment == f for p in self.pending):
-            self.apply_pending(None, only=f)
+        if any(c.fragment == f for c in self.in_flight):
+            self.apply_corrections(None, fragment=f)
 
-    def run_blocking(self, fragments: tuple[int, ...] = (0,)) -> None:
+    def run_blocking(self, fragments: Sequence[int] = (0,)) -> None:
         """Average ``fragments`` across nodes now (chunked, all chunks in flight at once)."""
         avg = self.averager
         for f in fragments:
             self._settle_fragment(f)
-        launched = [avg.launch([avg.params[i] for i in idx]) for _, idx in self._chunks(fragments)]
+        launched = [avg.launch(idx) for _, idx in self.chunks(fragments)]
         for job in launched:
             avg.write(job.indices, avg.complete(job))
 
     @torch.no_grad()
-    def launch_deferred(self, fragments: tuple[int, ...] = (0,), apply_at: int = 0) -> None:
-        """Launch the average of ``fragments``; apply it at ``apply_at`` as a delta correction."""
-        avg = self.averager
+    def launch_overlapped(self, fragments: Sequence[int] = (0,), apply_at: int = 0) -> None:
+        """Launch the average of ``fragments``; apply it at ``apply_at`` as a correction."""
         for f in fragments:
             self._settle_fragment(f)
-        for f, idx in self._chunks(fragments):
-            launched = avg.launch([avg.params[i] for i in idx], keep_snapshot=True)
-            gathered = avg.gather_correction(launched)
-            if gathered is not None:  # the node gathers it as soon as the rail leg is done
-                self.pending.append(Pending(idx, None, None, apply_at=apply_at, fragment=f, gathered=gathered))
-            else:
-                self.pending.append(Pending(idx, launched.snapshot, launched, apply_at=apply_at, fragment=f))
+        for f, idx in self.chunks(fragments):
+            future = self.averager.launch_correction(idx)
+            self.in_flight.append(Correction(idx, f, apply_at, future=future))
 
     def capture_anchor(self) -> None:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
-        self.averager.capture_chunks([idx for _, idx in self._chunks(tuple(range(self.schedule.fragments)))])
-
-    def resolve_all(self) -> None:
-        """Wait for every transfer in flight (their completion updates anchor and momentum)."""
-        for p in self.pending:
-            p.resolve(self.averager)
+        self.averager.capture([idx for _, idx in self.chunks(range(self.schedule.fragments))])
 
     @torch.no_grad()
-    def apply_pending(self, steps_done: int | None = None, only: int | None = None) -> None:
-        """Wait for and add the pending corrections due at ``steps_done`` (None: all of them;
-        ``only``: those of that fragment) to the parameters, in launch order.
+    def apply_corrections(self, steps_done: int | None = None, fragment: int | None = None) -> None:
+        """Wait for and add the corrections due at ``steps_done`` (None: all of them;
+        ``fragment``: those of that fragment) to the parameters, in launch order.
 
         Checked first, all of them: a correction that does not fit the registered
         parameters raises ``ValueError`` and nothing is applied or dropped.
         """
         due = [
-            p
-            for p in self.pending
-            if (steps_done is None or p.apply_at <= steps_done) and (only is None or p.fragment == only)
+            c
+            for c in self.in_flight
+            if (steps_done is None or c.apply_at <= steps_done) and (fragment is None or c.fragment == fragment)
         ]
         if not due:
             return
-        avg, params = self.averager, self.averager.params
-        for p in due:
-            bad = [i for i in p.indices if not 0 <= i < len(params)]
-            whole = None if bad else sum(params[i].numel() for i in p.indices)
-            expected = None if bad else avg.part_numel(p.indices)
-            got = p.correction.numel() if p.correction is not None else expected
-            if p.correction is not None and got == whole != expected:  # saved whole (older checkpoint)
-                p.correction, got = avg.part_of(p.indices, p.correction), expected
-            if bad or got != expected:
-                raise ValueError(
-                    f"hiersync pending correction for parameter positions {p.indices[:4]}... has {got} values "
-                    f"but this model has {len(params)} registered parameters"
-                    + (f" (no position {bad[0]})" if bad else f" holding {expected} values there")
-                    + ": the checkpoint is from a different model"
-                )
-        self.pending = [p for p in self.pending if all(p is not d for d in due)]
-        for p in due:
-            gathered = p.whole()
-            if gathered is not None:
-                assert isinstance(avg, ShardedAverager)
-                avg.add_gathered(p.indices, gathered)
+        for c in due:
+            self._check_fits(c)
+        self.in_flight = [c for c in self.in_flight if all(c is not d for d in due)]
+        avg = self.averager
+        for c in due:
+            if c.future is not None:
+                avg.add_correction(c.indices, wait(c.future))
             else:
-                corr = p.resolve(avg)
-                avg.write(p.indices, corr.to(params[p.indices[0]].device), add=True)
+                assert c.shard is not None
+                avg.write(c.indices, c.shard, add=True)
+
+    def _check_fits(self, c: Correction) -> None:
+        n = len(self.averager.params)
+        bad = [i for i in c.indices if not 0 <= i < n]
+        if c.shard is None and not bad:
+            return
+        expected = None if bad else self.averager.shard_numel(c.indices)
+        if bad or c.shard is None or c.shard.numel() != expected:
+            got = c.shard.numel() if c.shard is not None else None
+            raise ValueError(
+                f"hiersync correction for parameter positions {list(c.indices)[:4]}... has {got} values "
+                f"but this model has {n} registered parameters"
+                + (f" (no position {bad[0]})" if bad else f" holding {expected} values there")
+                + ": the checkpoint is from a different model"
+            )
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
-        """Averager state plus corrections in flight (resolved first: that updates the anchor)."""
-        self.resolve_all()
-        return {
-            "averager": self.averager.state(),
-            "pending": [
-                {
-                    "indices": list(p.indices),
-                    "correction": p.resolve(self.averager).cpu(),
-                    "apply_at": p.apply_at,
-                    "fragment": p.fragment,
-                }
-                for p in self.pending
-            ],
-        }
+        """Averager state plus corrections in flight (waited for first: that updates the anchor)."""
+        saved = []
+        for c in self.in_flight:
+            if c.future is not None:
+                shard = self.averager.own_shard(c.indices, wait(c.future))
+            else:
+                assert c.shard is not None
+                shard = c.shard
+            correction = shard.detach().cpu().clone()
+            saved.append(
+                {"indices": list(c.indices), "fragment": c.fragment, "apply_at": c.apply_at, "correction": correction}
+            )
+        return {"averager": self.averager.state(), "in_flight": saved}
 
-    def load(self, averager_state: dict[str, Any], pending: list[dict[str, Any]]) -> None:
+    def load(self, averager_state: dict[str, Any], in_flight: list[dict[str, Any]]) -> None:
         self.due = None
         self.averager.load(averager_state)
-        self.pending = [
-            Pending(
-                indices=list(p["indices"]),
-                snapshot=None,
-                launched=None,
-                correction=p["correction"],
-                apply_at=int(p.get("apply_at", 0)),  # older checkpoints: at the next optimizer.step()
-                fragment=int(p.get("fragment", 0)),
+        self.in_flight = [
+            Correction(
+                tuple(c["indices"]),
+                fragment=int(c["fragment"]),
+                apply_at=int(c["apply_at"]),
+                shard=c["correction"].to(torch.float32),
             )
-            for p in pending
+            for c in in_flight
         ]
 
 
-_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def build_sync(comm: Any, cfg: Any) -> tuple[ParamAverager, CrossNodeSync]:
-    """The averager (registry, pure-hook state) and the post-step engine for a ``HierConfig``.
-
-    After ``optimizer.step()`` a rank keeps the local-SGD state of its 1/L shard only
-    (:mod:`hiersync.shards`); uneven nodes and a single node keep it whole.
-    """
-    averager = ParamAverager(
-        comm, compress=_DTYPES[cfg.compress], outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum
-    )
-    topo = comm.topology
-    sharded = topo.even and topo.num_nodes > 1
-    engine_averager = ShardedAverager(averager, cfg.state_device) if sharded else averager
-    engine = CrossNodeSync(engine_averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
-    return averager, engine
-
-
-def _launch_owed(ref: weakref.ref) -> None:
+def _launch_due(ref: weakref.ref) -> None:
     engine = ref()
     if engine is not None:
-        engine.launch_owed(" (launched before the next forward)")
+        engine.launch_due(" (launched before the next forward)")
 
 
 @torch.no_grad()

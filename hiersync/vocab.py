@@ -4,6 +4,23 @@ Every module that needs a step kind, a level, a placement, an intra-node algorit
 byte unit takes it from here, so the hook, the cost model and the tools cannot drift apart.
 The enums are ``str`` subclasses: ``StepKind.SYNC == "sync"``, they format as their value,
 and they round-trip through JSON and argparse unchanged.
+
+The words for the cross-node sync, used the same way in code, docs and tests:
+
+* *node*, *local rank*, *L*, *N*, *intra group*, *rail*: :mod:`hiersync.topology`.
+* *fragment*: a set of whole parameters that sync together (streaming splits the model into
+  F fragments on staggered steps; F = 1 is the whole model). With FSDP2 a fragment holds
+  whole FSDP units.
+* *chunk*: one transfer, at most ``chunk_mb`` of a fragment's parameters (fp32), in the same
+  order on every rank.
+* *shard*: the part of a chunk one rank averages on its rail and keeps the state of (anchor,
+  outer momentum): 1/L of the chunk on a node that holds replicas (DDP), the rank's own
+  parameter shards on a node that shards the model (FSDP2).
+* *piece*: the slice of a shard a node gathers at once when it writes a blocking average.
+* *due*: a sync whose step's backward has ended and that is not launched yet (it launches
+  after ``optimizer.step()``, or before the next forward if that step was skipped).
+* *in flight*: a sync that was launched and whose correction is not applied yet.
+* *correction*: what an overlapped sync adds to a shard, ``target - snapshot``.
 """
 
 from __future__ import annotations
@@ -20,7 +37,10 @@ __all__ = [
     "IntraAlgorithm",
     "INTRA_ALGORITHMS",
     "default_intra_algorithm",
+    "GATHER_PIECE_BYTES",
+    "QUANT_BLOCK",
     "COMPRESS_DTYPES",
+    "COMPRESS_CODES",
     "NONFINITE_MODES",
     "KiB",
     "MiB",
@@ -150,7 +170,17 @@ def parse_count(text: str | int | float) -> int:
 __all__ += ["parse_count"]
 
 
+GATHER_PIECE_BYTES = MiB
+"""A node gathers a finished shard in pieces of at least this many bytes per rank, and at
+most 4 pieces per chunk: the reused gather buffer holds at most 1/4 of a chunk, and a big
+fragment costs 4 collectives per rank instead of one per MiB."""
+
+QUANT_BLOCK = 128
+"""Values per fp32 scale of an int8/int4 payload (:mod:`hiersync.quant`; docs/local-sgd.md)."""
+
 COMPRESS_DTYPES = ("bf16", "fp16")
 """16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""
+COMPRESS_CODES = ("int8", "int4")
+"""Block-quantized payloads: deltas against the fp32 anchor with error feedback (:mod:`hiersync.quant`)."""
 NONFINITE_MODES = ("skip", "raise", "ignore")
 """What a NaN/Inf gradient does: skip the update, raise, or no check at all."""

@@ -38,6 +38,37 @@ def test_fit_profile_recovers_links_and_shared_nics():
     assert "R^2" in text and "intra" in text and "inter" in text
 
 
+def test_fit_profile_under_nccl_fits_nccls_own_model():
+    """Measurements made by NCCL's own model come back as its inputs: ring and NVLS bandwidth,
+    NIC rate and the fabric latency, whatever protocol each size ran."""
+    from dataclasses import replace
+
+    truth = replace(cm.PRESETS["h100-8rail"], nodes=4, net_latency_us=40.0, inter=cm.Link(14e-6, 1 / 30e9))
+    node, rail = cm.node_profile(truth), cm.rail_profile(truth)
+    sizes = FULL_SIZES
+    points = {
+        "intra": [(n, cm.predict_allreduce(n, node)) for n in sizes],
+        "intra_reduce_scatter": [(n, cm.predict_reduce_scatter(n, node)) for n in sizes],
+        "inter": [(n, cm.predict_allreduce(n, rail)) for n in sizes],
+    }
+    profile, fits = fit_profile(points, nodes=4, ranks_per_node=8, rails=8, backend="nccl", metadata={})
+    assert profile.intra.bandwidth == pytest.approx(370e9, rel=1e-3)
+    assert profile.nvls_gbps == pytest.approx(480, rel=1e-3)
+    assert profile.inter.bandwidth == pytest.approx(30e9, rel=0.01)
+    assert profile.net_latency_us == pytest.approx(40.0, abs=0.5)
+    assert profile.gpu == "hopper"
+    # no NVLS where the all-reduce runs no faster than the ring
+    ampere = replace(cm.PRESETS["a100-1nic"], nodes=2)
+    one = cm.node_profile(ampere)
+    flat = {
+        "intra": [(n, cm.predict_allreduce(n, one)) for n in sizes],
+        "intra_reduce_scatter": [(n, cm.predict_reduce_scatter(n, one)) for n in sizes],
+    }
+    fitted, _ = fit_profile(flat, nodes=1, ranks_per_node=8, backend="nccl", metadata={"cuda_capability": [8, 0]})
+    assert fitted.nvls_gbps is None and fitted.gpu == "ampere"
+    assert "fabric latency" in format_fits(profile, fits)
+
+
 def test_fit_profile_one_level_copies_the_other(caplog):
     link = cm.Link(30e-6, 1e-9)
     profile, fits = fit_profile({"intra": _points(link, 2)}, nodes=1, ranks_per_node=2)

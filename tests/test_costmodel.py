@@ -632,11 +632,7 @@ def _a100(**kw):
 
 
 def _sync(profile, nbytes, nodes=16, lpn=8, ratio=1.0):
-    return cm.param_sync_time(
-        nbytes, nodes, lpn, profile.intra, profile.inter, profile.rails, profile.flat_algorithm,
-        compress_ratio=ratio, efficiency=profile.tree_efficiency, backend=profile.backend,
-        all_gather=profile.intra_all_gather, broadcast=profile.intra_broadcast,
-    )  # fmt: skip
+    return cm.predict_param_sync(nbytes * ratio, profile.with_shape(nodes=nodes, ranks_per_node=lpn))
 
 
 @pytest.mark.parametrize("kw", [_emu(), _a100(), _a100(compute_s=0.35, compress_ratio=0.5)])
@@ -666,15 +662,14 @@ def test_streaming_f1_reproduces_the_whole_model_placements_exactly(kw, k):
 
 
 def test_pinned_numbers_of_the_whole_model_overlap():
-    """Values step_time gives for the whole-model overlap, to the last bit: those of commit 613a436
-    (before streaming) but for the hiding window, which is the whole local step since 2026-12-01
-    (compute + the local step's exposed comm; before, compute alone: exposed 0.2830188368349411
-    and 0.07791725267675424). ``comm_s`` is unchanged."""
+    """The values step_time gives for the whole-model overlap, to the last bit, so a change to the
+    schedule model or to predict_allreduce shows here: the transfer hides behind the whole local
+    step (compute + the local step's exposed intra-node communication)."""
     kw = _a100(compute_s=0.06, backward_s=0.05, bucket_bytes=100 * 2**20, grad_bytes=7e9)
     st = cm.step_time("hiersync", period=4, placement="overlap", **kw)
-    assert (st.comm_s, st.exposed_s, st.step_s) == (0.3472698539777983, 0.2815023762270384, 0.3415023762270384)
+    assert (st.comm_s, st.exposed_s, st.step_s) == (0.3478796939777983, 0.2819715162270384, 0.3419715162270384)
     st = cm.step_time("hiersync", period=8, placement="overlap", **dict(kw, nodes=2))
-    assert (st.comm_s, st.exposed_s) == (0.13466826981961139, 0.0771590223728029)
+    assert (st.comm_s, st.exposed_s) == (0.1352349898196114, 0.07765539237280292)
 
 
 def test_sync_stalls_by_hand():
@@ -818,3 +813,62 @@ def test_uneven_fragments_above_k_can_raise_peak_bytes():
     f4 = cm.step_time("hiersync", period=4, fragments=4, **_a100())
     f5 = cm.step_time("hiersync", period=4, fragments=5, **_a100())
     assert f5.inter_bytes_peak == pytest.approx(f4.inter_bytes_peak * 4 * 2 / 5)
+
+
+# --- compression: bits per element, the quantized rail average ---------------------------------
+
+
+def test_bits_per_element_and_the_block_constant(monkeypatch):
+    from hiersync.costmodel import compression
+
+    assert [compression.bits_per_element(c, 4) for c in (None, "none", "bf16", "fp16", "int8", "int4")] == [
+        32, 32, 16, 16, 8.25, 4.25,
+    ]  # fmt: skip
+    assert compression.bits_per_element(None, 2) == 16 and compression.bits_per_element("bf16", 2) == 16
+    assert compression.compress_ratio("int4", 4) == 4.25 / 32
+    monkeypatch.setattr(compression, "QUANT_BLOCK", 64)  # one named constant decides the scales' share
+    assert compression.bits_per_element("int8", 4) == 8.5
+    with pytest.raises(ValueError, match="valid: none, bf16, fp16, int8, int4"):
+        compression.bits_per_element("int2")
+
+
+def test_the_quantized_rail_average_by_hand():
+    from hiersync.costmodel import compression
+
+    emu = cm.PRESETS["emulated"].with_shape(nodes=4)  # gloo: the alpha-beta rings, so every leg is a formula
+    shard = 8e6  # bytes of fp32 shard: 2e6 elements
+    wire = 2e6 * 8.25 / 8
+    rail = cm.rail_link(emu.inter, emu.ranks_per_node, emu.rails)
+    exchange = cm.reduce_scatter_time("ring", 4, wire, rail)  # all-to-all: (N-1)/N of it per rank, N-1 messages
+    gather = cm.all_gather_time("ring", 4, wire, rail)
+    quant = 3 * 2e6 * 4 / (compression.DEFAULT_QUANT_GBPS * 1e9)  # quantize, dequantize+sum, requantize, dequantize
+    assert compression.quantized_average_seconds(shard, emu, "int8") == pytest.approx(exchange + gather + quant)
+    slow = replace(emu, quant_gbps=10.0)
+    assert compression.quantize_seconds(2e6, 4, slow) == pytest.approx(3 * 8e6 / 10e9)
+    assert compression.quantized_average_seconds(shard, emu.with_shape(nodes=1), "int8") == 0.0
+    with pytest.raises(ValueError, match="not quantized"):
+        compression.quantized_average_seconds(shard, emu, "bf16")
+
+
+def test_step_time_prices_bits_per_element():
+    kw = _a100(compute_s=0.45, copy_s_per_byte=1e-12)
+    whole = {c: cm.step_time("hiersync", period=8, placement="optimizer", compress=c, **kw) for c in (None, "bf16")}
+    assert whole["bf16"] == cm.step_time("hiersync", period=8, placement="optimizer", compress_ratio=0.5, **kw)
+    stream = {
+        c: cm.step_time("hiersync", period=8, fragments=8, overlap=1, compress=c, **kw)
+        for c in (None, "bf16", "int8", "int4")
+    }
+    peak = {c: st.inter_bytes_peak for c, st in stream.items()}
+    # 2(N-1)/N * n * bits/8 per rank: the bytes follow the bits, scales included
+    assert peak["int8"] == pytest.approx(peak[None] * 8.25 / 32) and peak["int4"] == pytest.approx(
+        peak[None] * 4.25 / 32
+    )
+    assert peak["int8"] <= 0.55 * peak["bf16"] and peak["int4"] <= 0.30 * peak["bf16"]
+    # blocking, through one 100 Gb/s NIC per 8 GPUs: every bit saved shows, the quantize passes included
+    blocking = [
+        cm.step_time("hiersync", period=8, placement="optimizer", compress=c, **kw).exposed_s
+        for c in (None, "bf16", "int8", "int4")
+    ]
+    assert blocking == sorted(blocking, reverse=True) and blocking[3] < 0.2 * blocking[0]
+    with pytest.raises(ValueError, match="not both"):
+        cm.step_time("hiersync", period=8, compress="int8", compress_ratio=0.5, **kw)

@@ -2,9 +2,8 @@
 
 The parity, local-SGD, guard and checkpoint tests run under it through the ``nccl_mode``
 fixture (harness.py). Here: the mode's own semantics without processes, and proof that it
-bites: each read of a collective's result that issue 9 found unwaited (and the other
-reads of the same kind) is put back, and the emulated run must fail, while the same
-defect passes unnoticed on plain gloo.
+bites: each read of a collective's result is put back without its wait, one site at a
+time, and the emulated run must fail, while the same defect passes unnoticed on plain gloo.
 """
 
 from __future__ import annotations
@@ -134,24 +133,29 @@ LOCAL_SGD = ("localsgd_check", dict(mode="pure", period=2, steps=4))
 OVERLAP = ("localsgd_check", dict(mode="overlap", period=2, steps=5))
 ATTACHED = ("localsgd_check", dict(mode="attached", period=2, steps=4))
 SYNCHRONIZE = ("synchronize_check", "attached")
+FSDP_EXACT = ("fsdp_ranks.fsdp_check", dict(reference="hsdp", period=1, steps=2))
+FSDP_OVERLAP = ("fsdp_ranks.fsdp_check", dict(reference="ddp", period=2, tau=1, steps=4))
 
-# (module, the function whose wait() is skipped, the run that must notice). The first
-# five are the issue 9 list; the rest are the other reads of the same kind.
+# (module, the function whose wait() is skipped, the run that must notice): every read of a
+# collective's result in hiersync.
 SITES = {
     "release_reads_buckets_unwaited": ("hiersync.ddp", "_release", PARITY),  # _finish_step
-    "later_leg_launched_unwaited": ("hiersync.collectives", "go", PARITY),  # Sequencer
+    "later_leg_launched_unwaited": ("hiersync.issuing", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
     # In pure-hook mode the step's join waits on the average before complete() reads it;
     # after optimizer.step() (attached) _complete() is the only reader. (With overlap it runs
     # inside the gather's Sequencer launch, which has waited on the same future already.)
-    "averaged_params_written_unwaited": ("hiersync.shards", "_complete", ATTACHED),
-    "gathered_shards_written_unwaited": ("hiersync.shards", "write", ATTACHED),  # blocking: gather at write
-    "gathered_correction_added_unwaited": ("hiersync.localsgd", "whole", OVERLAP),  # gathered early
+    "averaged_params_written_unwaited": ("hiersync.averagers", "_complete", ATTACHED),
+    "gathered_shards_written_unwaited": ("hiersync.averagers", "write", ATTACHED),  # blocking: gather at write
+    "gathered_correction_added_unwaited": ("hiersync.sync", "apply_corrections", OVERLAP),  # gathered early
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
     "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
     "after_reads_unwaited": ("hiersync.futures", "cb", PARITY),
     "synchronize_reads_unwaited": ("hiersync.sync", "world_mean", SYNCHRONIZE),
+    "fsdp_gradient_shard_read_unwaited": ("hiersync.fsdp", "_on_reduced", FSDP_EXACT),  # exact step, in FSDP's hook
+    "fsdp_correction_added_unwaited": ("hiersync.sync", "apply_corrections", FSDP_OVERLAP),
+    "fsdp_synchronize_reads_unwaited": ("hiersync.fsdp", "synchronize", FSDP_EXACT),
 }
 CAUGHT = ("not close", "nan", "PoisonedWrite", "ranks differ", "non-finite", "differs from rank")
 

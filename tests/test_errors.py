@@ -116,7 +116,9 @@ def test_hook_needs_a_hierstate(world1):
 
 
 def test_register_needs_ddp(world1):
-    with pytest.raises(TypeError, match="needs a DistributedDataParallel model, got Sequential"):
+    with pytest.raises(
+        TypeError, match=r"needs a DistributedDataParallel model or an FSDP2 module \(fully_shard\), got Sequential"
+    ):
         hiersync.register(_model())
 
 
@@ -213,7 +215,7 @@ def test_load_state_dict_wrong_shapes_before_first_step(world1):
     state = hiersync.register(ddp, opt, period=2, compress="bf16")
     with pytest.raises(ValueError, match=r"do not match this model's .* the checkpoint is from a different model"):
         state.load_state_dict(saved)
-    assert state.step == 0 and not state.engine.pending  # a failed load changes nothing
+    assert state.step == 0 and not state.engine.in_flight  # a failed load changes nothing
     _step(ddp, opt)  # and training goes on
 
 
@@ -234,7 +236,7 @@ def test_synchronize_right_after_load_state_dict(world1):
     """A restart that loads a checkpoint with corrections in flight, then synchronizes."""
     state, ddp, _opt = _trained_state(4, steps=2, overlap=True)  # step 1 synced, its correction in flight
     sd = state.state_dict()
-    assert len(sd["pending"]) == 1
+    assert len(sd["in_flight"]) == 1
     expected = [p.detach().clone() + c for p, c in zip(ddp.parameters(), _split(sd, ddp))]
     fresh = DDP(_model(4))
     with torch.no_grad():
@@ -245,15 +247,15 @@ def test_synchronize_right_after_load_state_dict(world1):
     state2.synchronize(fresh)  # applies the correction (world of 1: the mean is itself)
     for p, e in zip(fresh.parameters(), expected):
         torch.testing.assert_close(p, e, rtol=0, atol=0)
-    assert not state2.engine.pending
+    assert not state2.engine.in_flight
 
 
 def _split(sd, ddp):
     """The saved flat correction, cut into per-parameter tensors in model.parameters() order."""
     params = list(ddp.parameters())
     order = sd["model_positions"]
-    flat = sd["pending"][0]["correction"]
-    assert sd["pending"][0]["indices"] == list(range(len(order)))
+    flat = sd["in_flight"][0]["correction"]
+    assert sd["in_flight"][0]["indices"] == list(range(len(order)))
     out = [None] * len(params)
     offset = 0
     for j in order:
@@ -263,14 +265,14 @@ def _split(sd, ddp):
     return out
 
 
-def test_apply_pending_that_does_not_fit_keeps_corrections(world1):
+def test_corrections_that_do_not_fit_are_kept(world1):
     state, _ddp, _opt = _trained_state(4, steps=2, overlap=True)
     sd = state.state_dict()
-    sd["pending"][0]["indices"] = [0, 1, 2, 99]
+    sd["in_flight"][0]["indices"] = [0, 1, 2, 99]
     state.load_state_dict(sd)
     with pytest.raises(ValueError, match=r"no position 99.*different model"):
         state.drain()
-    assert len(state.engine.pending) == 1  # nothing dropped
+    assert len(state.engine.in_flight) == 1  # nothing dropped
 
 
 def test_timeout_accepts_seconds_and_timedelta(world1):

@@ -226,7 +226,7 @@ def test_cli_plan_shows_streaming(capsys):
     assert "hiersync k=4 F=4 tau=0" in capsys.readouterr().out
 
 
-# --- issue 13 part 3: an honest planner ----------------------------------------------------------
+# --- an honest planner: compute required, fp32 gradients, copies and overlap priced ------------------
 
 A100 = dict(params=7e9, nodes=16, gpus_per_node=8, backward_s=0.3, forward_s=0.15)
 
@@ -310,7 +310,9 @@ def test_grid_edge_warnings():
     narrow = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], periods=[8], overlaps=[0, 1], break_even=False)
     assert any("smallest tried (k=8)" in w for w in narrow.warnings)
     assert any("best tau is the largest tried" in w and "--overlap 0,1,2" in w for w in narrow.warnings)
-    small = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[0.25, 1], periods=[1, 2], break_even=False)
+    small = make_plan(
+        cm.PRESETS["a100-1nic"], **A100, bucket_mb=[0.25, 1], periods=[1, 2], fragments=(), break_even=False
+    )
     assert any("bucket size is the largest tried (1 MB)" in w and "--bucket-mb 0.25,1,4" in w for w in small.warnings)
 
 
@@ -374,7 +376,7 @@ def test_plan_reports_memory_and_collectives(a100_plan):
     assert m.in_flight == pytest.approx(2 / 8 * 14e9 / 8)  # tau=1 fragment of 1/8, snapshot + payload, 1/L
     text = format_plan(a100_plan)
     assert "extra GPU memory per rank" in text and "outer optimizer" in text
-    assert "collectives assumed: DDP: flat" in text and "NVLS" in text
+    assert "collectives assumed: NCCL's tuning model" in text and "all-reduce of each 25 MB bucket" in text
 
 
 def test_break_even_bisects_the_inter_bandwidth():
@@ -392,3 +394,191 @@ def test_break_even_bisects_the_inter_bandwidth():
     assert best_gain(be * 0.97) >= 1.05 > best_gain(be * 1.03)
     assert make_plan(cm.PRESETS["a100-1nic"], **{**kw, "nodes": 1}).break_even_gbps is None
     assert break_even_gbps(plan) == be
+
+
+# --- plan --fsdp: FSDP2 inside the node ----------------------------------------------------------
+
+
+def test_fsdp_plan_command_fits_a_7b_model_and_says_what_to_paste(capsys):
+    """The pinned example: 7B on 16 x 8 A100s with one NIC, forward 100 ms, backward 300 ms."""
+    argv = ["plan", "--fsdp", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8"]
+    assert cli.main([*argv, "--forward-ms", "100", "--backward-ms", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in a GPU of 80 GB" in out and "DDP would need 112.00 GB" in out
+    memory = next(line for line in out.splitlines() if line.startswith("memory per GPU:"))
+    assert float(memory.split()[3]) < 80
+    assert "mesh = hiersync.node_mesh()" in out and "fully_shard(block, mesh=mesh)" in out
+    assert "fully_shard(model, mesh=mesh)" in out
+    assert "state = hiersync.register(model, opt, period=" in out and "<- recommended" in out
+    assert "fsdp2 hsdp" in out and "intra-only" in out
+
+
+def test_fsdp_memory_by_hand():
+    from hiersync.costmodel.fsdp import fsdp_memory
+
+    m = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, fragments=4, overlap=1)
+    # fp32 parameters and gradients, AdamW's two fp32 states: 16 bytes per parameter, sharded 1/8
+    assert (m.params, m.grads, m.optimizer) == (4e9, 4e9, 8e9) and m.sharded == 16e9
+    # two units' parameters gathered (computing and prefetched) and one unit's unsharded gradient
+    assert m.unsharded == 2 * 32e9 / 16 + 32e9 / 16
+    # hiersync: the snapshot and payload of the rank's shard of the one fragment in flight; no anchor
+    assert (m.anchor, m.momentum, m.in_flight) == (0.0, 0.0, 2 * 32e9 / 4 / 8)
+    full = fsdp_memory(params=8e9, ranks_per_node=8, units=16, reshard_after_forward=False)
+    assert full.unsharded == 32e9 + 32e9 / 16 and full.hiersync == 0  # period 1 (HSDP) keeps no state
+    outer = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, anchor=True, outer=True)
+    assert outer.anchor == outer.momentum == 32e9 / 8 and outer.in_flight == 32e9 / 8  # blocking: one payload
+
+
+def test_fsdp_unit_pipeline_by_hand():
+    from hiersync.costmodel.fsdp import _pass
+
+    # two units: all-gathers of 1 s prefetched back to back, 2 s of compute each: the first all-gather is exposed
+    assert _pass(2, 4.0, 1.0, ()) == (2.0, 1.0)
+    # and a 3 s reduce-scatter after each unit's compute, on the same intra-node channel: 5 s past the compute
+    assert _pass(2, 4.0, 1.0, (("intra", 3.0),)) == (8.0, 5.0)
+    # a rail leg runs on its own channel, after its unit's reduce-scatter
+    assert _pass(1, 1.0, 0.0, (("intra", 1.0), ("rail", 2.0))) == (3.0, 3.0)
+
+
+def test_fsdp_schedules_against_each_other():
+    from hiersync.costmodel.fsdp import fsdp_step_time
+
+    prof = cm.PRESETS["a100-1nic"].with_shape(nodes=16)
+    kw = dict(profile=prof, params=7e9, units=32, forward_s=0.1, backward_s=0.3)
+    hsdp = fsdp_step_time("hsdp", **kw)
+    assert fsdp_step_time("hiersync", period=1, **kw).step_s == hsdp.step_s  # hiersync period 1 is HSDP
+    local = fsdp_step_time("intra_only", **kw)
+    assert local.inter_bytes_peak == 0 and hsdp.inter_bytes_peak == pytest.approx(2 * 15 / 16 * 28e9 / 8)
+    for period, frags, tau in ((2, 1, 0), (4, 4, 1), (8, 8, 1)):
+        st = fsdp_step_time("hiersync", period=period, fragments=frags, overlap=tau, **kw)
+        assert local.step_s <= st.step_s < hsdp.step_s
+        assert st.inter_bytes_mean == pytest.approx(2 * 15 / 16 * 28e9 / 8 / period)
+    # without resharding after the forward the backward all-gathers are gone
+    kept = fsdp_step_time("intra_only", reshard_after_forward=False, **kw)
+    assert kept.comm_s < local.comm_s and kept.step_s <= local.step_s
+    with pytest.raises(ValueError, match="valid: hsdp, hiersync, intra_only"):
+        fsdp_step_time("ddp", **kw)
+
+
+def test_fsdp_plan_rejects_and_warns():
+    from hiersync.costmodel.fsdp_plan import format_fsdp_plan, make_fsdp_plan
+
+    with pytest.raises(ValueError, match="--fsdp-units"):
+        make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, backward_s=0.3, forward_s=0.1, units=0)
+    with pytest.raises(ValueError, match="backward"):
+        make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, forward_s=0.1)
+    big = make_fsdp_plan(cm.PRESETS["a100-1nic"], params=70e9, gpus_per_node=2, backward_s=3.0, forward_s=1.0)
+    assert not big.fits and "does NOT fit" in format_fsdp_plan(big)
+    # 1B on two 8-rail H100 nodes: HSDP's rail leg hides behind the backward, so period 1 (= HSDP) it is
+    hsdp = make_fsdp_plan(cm.PRESETS["h100-8rail"], params=1e9, nodes=2, backward_s=0.3, forward_s=0.1)
+    assert hsdp.period == 1 and hsdp.recommended is hsdp.hsdp
+    text = format_fsdp_plan(hsdp)
+    assert "state = hiersync.register(model, opt, period=1)" in text and "cannot help much" in text
+
+
+# --- failure-aware planning ----------------------------------------------------------------------
+
+
+def test_the_default_mtbf_is_llama_3s():
+    from hiersync.costmodel.failures import LLAMA3_NODE_MTBF_HOURS, failure_plan
+
+    assert round(LLAMA3_NODE_MTBF_HOURS) == 6335
+    # on Llama 3's 2,048 nodes it gives back its 419 interruptions in 54 days
+    assert failure_plan(nodes=2048).interruptions_per_day * 54 == pytest.approx(419)
+
+
+def test_interruptions_and_the_chance_of_one_a_day():
+    import math
+
+    from hiersync.costmodel.failures import failure_plan
+
+    fp = failure_plan(nodes=128, node_mtbf_hours=1000.0)
+    assert fp.interruptions_per_day == pytest.approx(24 * 128 / 1000)
+    assert fp.job_mtbf_s == pytest.approx(3600 * 1000 / 128)
+    p = 1 - math.exp(-24 / 1000)  # one node's chance in a day
+    assert fp.p_interrupted_day == pytest.approx(1 - (1 - p) ** 128) == pytest.approx(1 - math.exp(-24 * 128 / 1000))
+
+
+def test_daly_interval_and_restart_goodput():
+    import math
+
+    from hiersync.costmodel.failures import daly_interval, restart_goodput
+
+    d, m = 60.0, 6 * 3600.0
+    tau = daly_interval(d, m)
+    assert tau == pytest.approx(math.sqrt(2 * d * m) - d, rel=0.02)  # Young's sqrt(2 d M), to first order
+    best = restart_goodput(tau, d, 600.0, m)
+    assert best > restart_goodput(0.7 * tau, d, 600.0, m) and best > restart_goodput(1.4 * tau, d, 600.0, m)
+    # by hand: tau / (M e^(R/M) (e^((tau + d)/M) - 1))
+    assert restart_goodput(3600, 60, 600, m) == pytest.approx(3600 / (m * math.exp(600 / m) * math.expm1(3660 / m)))
+    assert daly_interval(3 * m, m) == m  # a checkpoint longer than 2 M: checkpoint every M
+
+
+def test_surviving_in_place_costs_the_same_whatever_the_size():
+    from hiersync.costmodel.failures import failure_plan
+
+    kw = dict(node_mtbf_hours=6000.0, checkpoint_s=60, restart_s=600, detect_s=30, window_s=8, recovery_s=20)
+    small, big = failure_plan(nodes=16, **kw), failure_plan(nodes=1024, **kw)
+    for fp in (small, big):
+        n = fp.nodes
+        assert fp.goodput_in_place == pytest.approx(1 - (n * 30 + 8 + 600 + 20) / (6000 * 3600))
+    assert big.goodput_restart < small.goodput_restart - 0.05  # restarting everyone gets worse with N
+    assert big.goodput_in_place > big.goodput_restart
+
+
+def test_plan_prints_the_failure_lines(capsys):
+    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "1024", "--backward-ms", "300"]
+    assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--bucket-mb", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "node MTBF 6,335 h (Llama 3's 419 interruptions in 54 days on 2,048 nodes)" in out
+    assert "1024 nodes: 3.88 interruptions per day" in out and "Young/Daly interval" in out
+    assert "survive in place (hiersync on torchft)" in out
+    assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--node-mtbf-hours", "1000"]) == 0
+    assert "node MTBF 1,000 h (--node-mtbf-hours)" in capsys.readouterr().out
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "Llama 3" in parser.format_help() and "--checkpoint-s" in parser.format_help()
+
+
+# --- which compress pays ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "pays"),
+    [
+        (["--preset", "h100-8rail"], "None"),  # 8 x 400 Gb/s: nothing waits for inter-node bytes
+        (["--preset", "a100-1nic"], '"bf16"'),  # one 100 Gb/s NIC: 16 bits pay, fewer gain < 2% more
+        (["--inter-gbps", "3.1", "--nics-per-node", "1", "--intra-gbps", "235"], '"int4"'),  # 25 Gbit/s per node
+    ],
+)
+def test_the_plan_says_which_compress_pays(capsys, flags, pays):
+    argv = ["plan", *flags, "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8", "--backward-ms", "300"]
+    assert cli.main([*argv, "--forward-ms", "150", "--bucket-mb", "25"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compress:"))
+    assert f"use compress={pays}" in line and "int8" in line and "int4" in line and "re-planned" in line
+
+
+def test_quantized_compression_keeps_a_residual():
+    plan = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], compress="int8", break_even=False)
+    m = plan.memory
+    assert m is not None and m.residual == m.anchor == 7e9 * 4 / 8  # fp32 shards of the anchor and the residual
+    assert 'compress="int8"' in format_plan(plan) and "error-feedback residual" in format_plan(plan)
+    with pytest.raises(ValueError, match="int4"):
+        make_plan(cm.PRESETS["a100-1nic"], **A100, compress="int2")
+
+
+def test_fsdp_prices_compression_too():
+    from hiersync.costmodel.fsdp import fsdp_memory, fsdp_step_time
+    from hiersync.costmodel.fsdp_plan import format_fsdp_plan, make_fsdp_plan
+
+    prof = cm.PRESETS["a100-1nic"].with_shape(nodes=16)
+    kw = dict(profile=prof, params=7e9, units=32, forward_s=0.1, backward_s=0.3, period=2, fragments=2, overlap=1)
+    steps = [fsdp_step_time("hiersync", compress=c, **kw).step_s for c in (None, "bf16", "int8", "int4")]
+    assert steps == sorted(steps, reverse=True)
+    peaks = [fsdp_step_time("hiersync", compress=c, **kw).inter_bytes_peak for c in (None, "int4")]
+    assert peaks[1] == pytest.approx(peaks[0] * 4.25 / 32)
+    m = fsdp_memory(params=8e9, ranks_per_node=8, units=16, period=4, anchor=True, error_feedback=True)
+    assert m.residual == m.anchor == 4e9
+    plan = make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, nodes=16, backward_s=0.3, forward_s=0.1, compress="int4")
+    text = format_fsdp_plan(plan)
+    assert 'compress="int4"' in text and "compress: at hiersync" in text and plan.memory.residual > 0

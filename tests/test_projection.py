@@ -12,7 +12,8 @@ def test_rows_and_shapes():
     rows = project(["h100-8rail", "a100-1nic"], grad_bytes=14e9, backward_s=0.3)
     assert len(rows) == 16 and all(set(r) == set(COLUMNS) for r in rows)
     one_node = rows[0]
-    assert one_node["gpus"] == 8 and one_node["ar_two_level_ms"] == pytest.approx(one_node["ar_ring_ms"])
+    # one node: the two-level all-reduce is the node's own, what NCCL picks (NVLS), not slower than its ring
+    assert one_node["gpus"] == 8 and one_node["ar_two_level_ms"] <= one_node["ar_ring_ms"]
     big = rows[7]
     assert big["gpus"] == 1024 and big["ar_tree_ms"] < big["ar_ring_ms"]  # latency of 2046 ring hops
     a100 = rows[15]

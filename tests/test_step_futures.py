@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync import HierState
-from hiersync.collectives import Sequencer
 from hiersync.futures import HierSyncError, completed, failed, wait, when_all
+from hiersync.issuing import Sequencer
 from hiersync.stats import Stats
 
 CPU = torch.device("cpu")
@@ -193,7 +193,7 @@ def test_skipped_optimizer_step_still_syncs_before_next_forward(world1):
     grads_step = [q - 0.1 * p.grad for p, q in zip(model.parameters(), before)]
     for p, g, snap in zip(model.parameters(), grads_step, before):
         torch.testing.assert_close(p.detach(), g - 0.5 * snap)
-    assert comm.calls.count("average") == 1 and not state.engine.pending
+    assert comm.calls.count("average") == 1 and not state.engine.in_flight
 
 
 def test_nonfinite_gradient_reaches_the_scaler_and_skips_the_update(world1):
@@ -257,24 +257,28 @@ def test_closed_state_keeps_no_model_alive(world1):
 def test_sharded_state_dict_is_a_snapshot():
     """Anchor and momentum shards are updated in place by later syncs: what state() returned,
     and what load() was given, must not change with them."""
-    from hiersync.localsgd import ParamAverager
-    from hiersync.shards import ShardedAverager
+    from hiersync.averagers import ReplicatedNodeAverager
+    from hiersync.localsgd import Registry
 
     comm = types.SimpleNamespace(
-        groups=types.SimpleNamespace(node_size=2, local_rank=0), average_shard=lambda t: completed(t)
+        topology=hiersync.Topology.from_node_ids([0, 0, 1, 1]),
+        groups=types.SimpleNamespace(node_size=2, local_rank=0),
+        average_shard=lambda t: completed(t),
     )
+    registry = Registry()
     params = [torch.nn.Parameter(torch.arange(6.0))]
-    avg = ShardedAverager(ParamAverager(comm, outer_lr=0.7, outer_momentum=0.9))
-    avg.base.register(params)
-    avg.capture_chunks([[0]])
+    registry.register(params)
+    avg = ReplicatedNodeAverager(comm, registry, outer_lr=0.7, outer_momentum=0.9)
+    avg.capture([[0]])
     with torch.no_grad():
         params[0].add_(1.0)
-    avg.complete(avg.launch(params))  # creates the momentum shard, moves the anchor
-    saved = avg.state()["shards"]["chunks"][0]
+    avg.complete(avg.launch([0]))  # creates the momentum shard, moves the anchor
+    state = avg.state()
+    saved = state["chunks"][0]
     anchor, momentum = saved["anchor"].clone(), saved["momentum"].clone()
-    avg.complete(avg.launch(params))  # updates both in place
+    avg.complete(avg.launch([0]))  # updates both in place
     assert torch.equal(saved["anchor"], anchor) and torch.equal(saved["momentum"], momentum)
-    given = {"shards": {"local_rank": 0, "node_size": 2, "chunks": [dict(saved, indices=[0])]}}
+    given = dict(state, chunks=[dict(saved, indices=[0])])
     avg.load(given)
-    avg.complete(avg.launch(params))
-    assert torch.equal(given["shards"]["chunks"][0]["anchor"], anchor), "load() must not alias the caller's tensors"
+    avg.complete(avg.launch([0]))
+    assert torch.equal(given["chunks"][0]["anchor"], anchor), "load() must not alias the caller's tensors"

@@ -5,13 +5,13 @@ With this folder on ``PYTHONPATH`` every Python process imports this file at sta
 ``time.perf_counter`` timers, the calls that make up what a sync costs the host after
 ``optimizer.step()``:
 
-* ``CrossNodeSync.apply_pending``: applying the corrections that are due (all of it);
-* ``CrossNodeSync.launch_deferred``: launching the next overlapped or streaming sync;
-* ``ShardedAverager.write``: the node gather (blocking) and the copy or add into the
-  parameters; the apply path of blocking syncs, and of overlapped ones before the early gather;
-* ``ShardedAverager.add_gathered``: the add of a correction the node gathered early.
+* ``CrossNodeSync.apply_corrections``: applying the corrections that are due (all of it);
+* ``CrossNodeSync.launch_overlapped``: launching the next overlapped or streaming sync;
+* ``ReplicatedNodeAverager.write``: the node gather (blocking) and the copy or add into the
+  parameters (the apply path of blocking syncs);
+* ``ReplicatedNodeAverager.add_correction``: the add of a correction the node gathered early.
 
-Each process writes ``<pid>.json`` there after every ``apply_pending``. Run the bench with
+Each process writes ``<pid>.json`` there after every ``apply_corrections``. Run the bench with
 it, then summarize (per rank process: calls that did any work, i.e. took over 0.1 ms, and
 their median and max in ms)::
 
@@ -55,7 +55,7 @@ def _timed(cls: type, name: str) -> None:
             return orig(*args, **kwargs)
         finally:
             _TIMES.setdefault(key, []).append(time.perf_counter() - t0)
-            if name == "apply_pending":
+            if name == "apply_corrections":
                 _dump()  # ranks may end with os._exit: no atexit
 
     setattr(cls, name, wrapper)
@@ -63,14 +63,14 @@ def _timed(cls: type, name: str) -> None:
 
 def _install() -> None:
     os.makedirs(_OUT, exist_ok=True)  # type: ignore[arg-type]
-    from hiersync.shards import ShardedAverager
+    from hiersync.averagers import ReplicatedNodeAverager
     from hiersync.sync import CrossNodeSync
 
     for cls, name in (
-        (CrossNodeSync, "apply_pending"),
-        (CrossNodeSync, "launch_deferred"),
-        (ShardedAverager, "write"),
-        (ShardedAverager, "add_gathered"),
+        (CrossNodeSync, "apply_corrections"),
+        (CrossNodeSync, "launch_overlapped"),
+        (ReplicatedNodeAverager, "write"),
+        (ReplicatedNodeAverager, "add_correction"),
     ):
         _timed(cls, name)
 

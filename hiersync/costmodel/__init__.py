@@ -11,10 +11,18 @@ One idea per module:
 * :mod:`.steptime`: the schedule simulator (:func:`step_time`);
 * :mod:`.streaming`: the period-k sync in F staggered fragments, each applied tau steps
   after its launch (:func:`sync_stalls`), and inter-node bytes per step;
-* :mod:`.fit`: fitting alpha and beta to measurements (:func:`fit_link`);
+* :mod:`.nccl`: NCCL's tuning model (which algorithm and protocol it runs, and the time);
+* :mod:`.predict`: :func:`predict_allreduce`, the entry point everything that prices a
+  collective goes through (NCCL's model under NCCL, the alpha-beta ring on gloo);
+* :mod:`.fit`: fitting alpha and beta, and the fabric latency, to measurements (:func:`fit_link`);
 * :mod:`.memory`: the extra GPU memory per rank of a mode (:func:`~.memory.sync_memory`);
-* :mod:`.planner` (with :mod:`.planner_report` and :mod:`.planner_cli`) and
-  :mod:`.projection`: ``python -m hiersync plan`` and ``project``.
+* :mod:`.planner` (with :mod:`.planner_report`, :mod:`.planner_sweeps` and :mod:`.planner_cli`) and
+  :mod:`.projection`: ``python -m hiersync plan`` and ``project``;
+* :mod:`.fsdp` and :mod:`.fsdp_plan`: FSDP2 inside the node (``plan --fsdp``): memory per GPU
+  and the step with per-unit all-gathers and reduce-scatters;
+* :mod:`.compression`: bits per element of ``compress`` and the quantized rail average (int8/int4);
+* :mod:`.failures`: interruptions at a size, Daly's checkpoint interval, and the goodput of
+  restarting from checkpoints against surviving in place.
 
 Every public name of the first six is re-exported here, so ``from hiersync import
 costmodel as cm; cm.allreduce_time(...)`` is the way to use them.
@@ -30,11 +38,11 @@ Example::
 
 from __future__ import annotations
 
-from .fit import LinkFit, fit_link
+from . import compression, nccl, validation
+from .fit import LinkFit, fit_link, fit_nccl_profile, fit_net_latency
 from .hierarchy import (
     FLAT_ALGORITHMS,
     INTRA_ALGORITHMS,
-    choose_exact_algorithm,
     flat_allreduce_time,
     flat_crossover_bytes,
     hierarchical_allreduce_time,
@@ -54,6 +62,18 @@ from .links import (
     reduce_scatter_time,
     reduce_time,
 )
+from .predict import (
+    PREDICT_ALGORITHMS,
+    choose_exact_algorithm,
+    explain_allreduce,
+    node_profile,
+    predict_all_gather,
+    predict_allreduce,
+    predict_param_sync,
+    predict_reduce_scatter,
+    predict_two_level,
+    rail_profile,
+)
 from .profile import PRESETS, PROFILE_FORMAT, Profile, default_copy_gbps, get_preset, preset_for_backend
 from .steptime import PLACEMENTS, SCHEDULES, StepTime, simulate, step_time
 from .streaming import (
@@ -66,6 +86,18 @@ from .streaming import (
 )
 
 __all__ = [
+    "compression",
+    "nccl",
+    "validation",
+    "predict_allreduce",
+    "explain_allreduce",
+    "predict_reduce_scatter",
+    "predict_all_gather",
+    "predict_two_level",
+    "predict_param_sync",
+    "node_profile",
+    "rail_profile",
+    "PREDICT_ALGORITHMS",
     "Link",
     "Profile",
     "StepTime",
@@ -92,6 +124,8 @@ __all__ = [
     "simulate",
     "step_time",
     "fit_link",
+    "fit_net_latency",
+    "fit_nccl_profile",
     "get_preset",
     "preset_for_backend",
     "default_copy_gbps",

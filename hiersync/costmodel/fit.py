@@ -1,17 +1,23 @@
 """Fitting ``alpha`` and ``beta`` of a :class:`~.links.Link` to measured collective times.
 
 ``python -m hiersync calibrate`` times all-reduces per level and hands them to
-:func:`fit_link`. Pure (numpy, imported on first use): no torch.
+:func:`fit_link`; under NCCL it also fits the fabric's latency with NCCL's own model
+(:func:`fit_net_latency`). Pure (numpy, imported on first use): no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .links import COLLECTIVES, DEFAULT_TREE_EFFICIENCY, Link, collective_affine
 
-__all__ = ["LinkFit", "fit_link"]
+if TYPE_CHECKING:
+    from .profile import Profile
+
+__all__ = ["LinkFit", "fit_link", "fit_net_latency", "fit_nccl_profile"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,3 +85,101 @@ def fit_link(
         max_rel_error=float(np.max(np.abs(pred - t) / t)),
         num_points=len(t),
     )
+
+
+def _golden(loss, lo: float, hi: float, *, steps: int = 60) -> float:
+    """The minimum of a unimodal ``loss`` on ``[lo, hi]`` by golden-section search."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(steps):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = loss(b)
+    return (lo + hi) / 2
+
+
+def _relative_loss(points: Sequence[tuple[float, float]], predict) -> float:
+    return sum((predict(n) / t - 1) ** 2 for n, t in points)
+
+
+def _check_points(name: str, points: Sequence[tuple[float, float]]) -> None:
+    if not points or any(not (n >= 0 and t > 0) for n, t in points):
+        raise ValueError(f"{name}: need (bytes >= 0, seconds > 0) points, got {list(points)[:3]}...")
+
+
+def fit_net_latency(points: Sequence[tuple[float, float]], profile: Profile, *, high_us: float = 2000.0) -> float:
+    """The fabric latency (:attr:`Profile.net_latency_us`, microseconds) that best fits rail all-reduce times.
+
+    ``points`` are ``(bytes, seconds)`` all-reduces on one rail of ``profile`` (one rank per
+    node, every rail at once, as ``python -m hiersync calibrate`` times them);
+    :func:`~.predict.predict_allreduce` of :func:`~.predict.rail_profile` is the model.
+    Least squares on relative errors, by golden-section search over ``[0, high_us]``.
+    """
+    from .predict import predict_allreduce, rail_profile
+
+    _check_points("fit_net_latency", points)
+
+    def loss(us: float) -> float:
+        rail = rail_profile(replace(profile, net_latency_us=us))
+        return _relative_loss(points, lambda n: predict_allreduce(n, rail))
+
+    best = _golden(loss, 0.0, float(high_us))
+    return 0.0 if loss(0.0) <= loss(best) else best
+
+
+def fit_nccl_profile(
+    profile: Profile,
+    *,
+    intra: Sequence[tuple[float, float]] = (),
+    reduce_scatter: Sequence[tuple[float, float]] = (),
+    rail: Sequence[tuple[float, float]] = (),
+) -> Profile:
+    """``profile`` with NCCL's inputs fitted to measured ``(bytes, seconds)`` points.
+
+    The node's ring bus bandwidth to its ``reduce_scatter`` (NCCL runs it as a ring), NVLS's
+    to its ``intra`` all-reduces where that beats the ring (else no NVLS), and the NIC rate and
+    the fabric latency to the ``rail`` all-reduces, each by least squares on relative errors
+    with :func:`~.predict.predict_allreduce` (and its reduce-scatter) as the model: the fit
+    follows what NCCL's tuner runs at every size, protocol changes included.
+    """
+    from .predict import node_profile, predict_allreduce, predict_reduce_scatter, rail_profile
+
+    def log_fit(loss, value: float) -> float:  # a bandwidth within 100x of a first guess
+        return math.exp(_golden(lambda x: loss(math.exp(x)), math.log(value / 100), math.log(value * 100)))
+
+    prof = profile
+    if reduce_scatter:
+        _check_points("reduce_scatter", reduce_scatter)
+
+        def rs_loss(bw: float) -> float:
+            node = node_profile(replace(prof, intra=Link(prof.intra.alpha, 1 / bw)))
+            return _relative_loss(reduce_scatter, lambda n: predict_reduce_scatter(n, node))
+
+        prof = replace(prof, intra=Link(prof.intra.alpha, 1 / log_fit(rs_loss, prof.intra.bandwidth)))
+    if intra:
+        _check_points("intra", intra)
+
+        def ar_loss(gbps: float | None) -> float:
+            node = node_profile(replace(prof, nvls_gbps=gbps))
+            return _relative_loss(intra, lambda n: predict_allreduce(n, node))
+
+        nvls = log_fit(ar_loss, (prof.nvls_gbps or prof.intra.bandwidth / 1e9))
+        prof = replace(prof, nvls_gbps=nvls if ar_loss(nvls) < ar_loss(None) else None)
+    if rail and prof.nodes > 1:
+        _check_points("rail", rail)
+        for _ in range(3):  # the NIC rate and the latency, alternately
+
+            def nic_loss(bw: float, base: Profile = prof) -> float:
+                one = rail_profile(replace(base, inter=Link(base.inter.alpha, 1 / bw)))
+                return _relative_loss(rail, lambda n: predict_allreduce(n, one))
+
+            bw = log_fit(nic_loss, prof.inter.bandwidth)
+            prof = replace(prof, inter=Link(prof.inter.alpha, 1 / bw))
+            prof = replace(prof, net_latency_us=fit_net_latency(rail, prof))
+    return prof

@@ -1,23 +1,21 @@
 """Flat versus two-level all-reduce on N nodes of L ranks, and the period-k parameter average.
 
-The formulas of docs/costmodel.md on a cluster of ``nodes`` x ``ranks_per_node``
-ranks with ``rails`` NICs per node: DDP's flat all-reduce (:func:`flat_allreduce_time`),
-hiersync's exact two-level all-reduce (:func:`hierarchical_allreduce_time`, in either
-intra algorithm), the inter-node parameter average of period k (:func:`param_sync_time`),
-and which exact path is faster on a profile (:func:`choose_exact_algorithm`, what
-``HierState(algorithm="auto")`` asks). Two-level formulas take the node's ``intra`` link
-(per GPU) and ``inter`` link (per NIC). Pure: no torch.
+The textbook alpha-beta formulas on a cluster of ``nodes`` x ``ranks_per_node`` ranks with
+``rails`` NICs per node: a flat all-reduce (:func:`flat_allreduce_time`), hiersync's exact
+two-level all-reduce (:func:`hierarchical_allreduce_time`, in either intra algorithm) and the
+inter-node parameter average of period k (:func:`param_sync_time`). Two-level formulas take
+the node's ``intra`` link (per GPU) and ``inter`` link (per NIC). These are what gloo runs
+(rings); under NCCL, :func:`hiersync.costmodel.predict_allreduce` prices what NCCL's tuner
+runs instead, and everything that predicts a step goes through it. Pure: no torch.
 
 Example::
 
-    >>> from hiersync.costmodel import PRESETS
-    >>> choose_exact_algorithm(100e6, 2, 2, PRESETS["emulated"])
-    'two_level'
+    >>> from hiersync.costmodel import Link
+    >>> round(flat_allreduce_time(100e6, 2, 2, Link(1e-5, 1e-9), Link(5e-4, 1e-8), rails=1) * 1e3, 2)
+    1502.02
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from hiersync.vocab import INTRA_ALGORITHMS, IntraAlgorithm, default_intra_algorithm
 
@@ -36,9 +34,6 @@ from .links import (
     reduce_scatter_time,
 )
 
-if TYPE_CHECKING:
-    from .profile import Profile
-
 __all__ = [
     "FLAT_ALGORITHMS",
     "INTRA_ALGORITHMS",
@@ -53,7 +48,6 @@ __all__ = [
     "hierarchical_allreduce_time",
     "param_sync_time",
     "flat_crossover_bytes",
-    "choose_exact_algorithm",
 ]
 
 FLAT_ALGORITHMS = ("ring", "tree", "auto")
@@ -309,31 +303,3 @@ def flat_crossover_bytes(
     """Like :func:`crossover_bytes` for :func:`flat_allreduce_time` on a two-level cluster."""
     args = (nodes, ranks_per_node, intra, inter, rails, efficiency)
     return affine_crossover(flat_affine(first, *args), flat_affine(second, *args))
-
-
-def choose_exact_algorithm(
-    nbytes: float, nodes: int, ranks_per_node: int, profile: Profile, *, intra_algorithm: str | None = None
-) -> str:
-    """``"flat"`` or ``"two_level"``: the faster exact all-reduce of one ``nbytes`` bucket.
-
-    Compares :func:`flat_allreduce_time` with :func:`hierarchical_allreduce_time` on
-    ``profile``'s links; under NCCL both legs use the faster of ring and tree. One node
-    or one rank per node: ``"flat"`` (two levels would add steps for nothing). Ties: flat.
-    ``intra_algorithm``: the two-level variant (default :attr:`Profile.intra_algorithm`).
-    """
-    algo_intra = check_intra_algorithm(intra_algorithm, profile.backend)
-    if nodes <= 1 or ranks_per_node <= 1:
-        return "flat"
-    algo = profile.flat_algorithm
-    args = (nbytes, nodes, ranks_per_node, profile.intra, profile.inter, profile.rails)
-    flat = flat_allreduce_time(*args, algo, efficiency=profile.tree_efficiency)
-    two = hierarchical_allreduce_time(
-        *args,
-        algo,
-        efficiency=profile.tree_efficiency,
-        reduce_scatter=profile.intra_reduce_scatter,
-        all_gather=profile.intra_all_gather,
-        intra_algorithm=algo_intra,
-        broadcast=profile.intra_broadcast,
-    )
-    return "two_level" if two < flat else "flat"

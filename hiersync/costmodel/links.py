@@ -3,7 +3,7 @@
 A :class:`Link` holds ``alpha`` (seconds per message or ring hop), ``beta`` (seconds per
 byte on the wire) and ``gamma`` (seconds per byte of reduction compute). A collective on
 ``p`` ranks moving ``n`` bytes costs ``A(p) * alpha + B(p) * n * beta (+ C(p) * n * gamma)``;
-docs/costmodel.md derives every ``A`` and ``B``. Every formula is affine in ``n``, so
+docs/costmodel-formulas.md derives every ``A`` and ``B``. Every formula is affine in ``n``, so
 :func:`collective_affine` returns the pair ``(latency_s, seconds_per_byte)`` that the
 fitting (:mod:`.fit`) and the crossovers use. Pure: no torch.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hiersync.vocab import MiB
+from hiersync.vocab import GATHER_PIECE_BYTES
 
 from .links import check_count, check_number
 
@@ -28,8 +28,6 @@ __all__ = ["FP32_BYTES", "GATHER_PIECE_BYTES", "SyncMemory", "sync_memory"]
 
 FP32_BYTES = 4
 """The anchor and the outer momentum are fp32 whatever the parameters' dtype."""
-GATHER_PIECE_BYTES = MiB
-"""The node gather moves finished shards in pieces of 1 MiB per rank through one reused buffer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +42,14 @@ class SyncMemory:
     """Snapshot and payload shards of the fragments in flight (or being synced)."""
     gather: float
     """The node gather's reused buffer."""
+    residual: float = 0.0
+    """fp32 error-feedback residual (shard) of ``compress="int8"``/``"int4"``: what was not sent."""
     sharded: bool
     """Whether the state is sharded 1/L (attached optimizer) or whole (pure hook)."""
 
     @property
     def total(self) -> float:
-        return self.anchor + self.momentum + self.in_flight + self.gather
+        return self.anchor + self.momentum + self.in_flight + self.gather + self.residual
 
 
 def sync_memory(
@@ -63,12 +63,14 @@ def sync_memory(
     outer: bool = False,
     attached: bool = True,
     param_bytes: int = FP32_BYTES,
+    error_feedback: bool = False,
 ) -> SyncMemory:
     """Extra memory per rank of ``HierState(period, fragments, overlap, compress, outer_lr)``.
 
     ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (the
     snapshot and payload follow it); ``attached``: an optimizer is attached (the state is
-    sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on.
+    sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on; ``error_feedback``: the
+    int8/int4 compression's fp32 residual (one more state shard).
     """
     p = check_number("params", params, strict=True)
     lpn = check_count("ranks_per_node", ranks_per_node)
@@ -80,10 +82,16 @@ def sync_memory(
     state = p * FP32_BYTES * share
     anchor = state if (compress or outer) else 0.0
     momentum = state if outer else 0.0
+    residual = state if error_feedback else 0.0
     if not attached:  # the hook averages DDP's buckets in place
-        return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, sharded=False)
+        return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, residual=residual, sharded=False)
     fragment = p * param_bytes / f
     in_flight = tau * 2 * fragment * share if tau else fragment * share
     return SyncMemory(
-        anchor=anchor, momentum=momentum, in_flight=in_flight, gather=GATHER_PIECE_BYTES * lpn, sharded=True
+        anchor=anchor,
+        momentum=momentum,
+        in_flight=in_flight,
+        gather=GATHER_PIECE_BYTES * lpn,
+        residual=residual,
+        sharded=True,
     )

@@ -26,10 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hiersync import costmodel as cm
-from hiersync.vocab import COMPRESS_DTYPES, MiB
+from hiersync.vocab import MiB
 
+from . import compression, planner_sweeps
 from .memory import SyncMemory, sync_memory
 from .planner_report import collectives_assumed, edge_warnings, format_plan, verdict
+from .planner_sweeps import COMPRESS_NEAR, break_even_gbps
 
 __all__ = [
     "PlanRow",
@@ -41,6 +43,10 @@ __all__ = [
     "run",
     "DTYPE_BYTES",
     "copy_s_per_byte",
+    "check_compute",
+    "compress_ratio_for",
+    "copy_speed",
+    "COMPRESS_NEAR",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,9 +64,6 @@ DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb default; preferred when times ti
 DEFAULT_FRAGMENTS = (1, 2, 4, 8)
 DEFAULT_OVERLAPS = (0, 1, 2)
 DEFAULT_WARMUP_STEPS = 100  # docs/local-sgd.md's starting point; not modelled
-# The break-even: hiersync "helps" while its best configuration steps at least 5% faster than DDP.
-BREAK_EVEN_GAIN = 1.05
-BREAK_EVEN_RANGE_GBPS = (1e-3, 1e4)  # per node: 1 MB/s .. 10 TB/s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +156,13 @@ class Plan:
     """The collective algorithms the model assumed, in words."""
     calibrated_nodes: int | None = None
     """Nodes the profile's links were measured on (None: a preset or flags)."""
+    compress_same: tuple[tuple[str, float], ...] = ()
+    """(compress, step s) for every option at the recommended configuration; () when not compared."""
+    compress_steps: tuple[tuple[str, float, str], ...] = ()
+    """(compress, recommended step s, its schedule) for every option, each re-planned (its own k, F, tau)."""
+    compress_pays: str | None = None
+    """The option to use: the least lossy one within :data:`COMPRESS_NEAR` of the fastest at the
+    recommended configuration."""
 
     @property
     def bucket_cap_mb(self) -> float:
@@ -187,7 +197,9 @@ def _ints(name: str, values: Sequence[int], low: int, hint: str = "") -> None:
         raise ValueError(f"{name} must be ints >= {low}{hint}, got {list(values)}")
 
 
-def _compute(profile: cm.Profile, backward_s: float | None, forward_s: float | None, compute_s: float | None):
+def check_compute(
+    profile: cm.Profile, backward_s: float | None, forward_s: float | None, compute_s: float | None
+) -> tuple[float, float]:
     """(backward, compute) seconds from the arguments or the profile; ValueError naming the flag."""
     backward = profile.backward_s if backward_s is None else backward_s
     if backward is None or not backward > 0:
@@ -207,6 +219,11 @@ def _compute(profile: cm.Profile, backward_s: float | None, forward_s: float | N
             f"without a forward pass, which hides less communication and inflates the speed-ups"
         )
     return float(backward), float(backward + forward)
+
+
+def compress_ratio_for(compress: str, dtype: str) -> float:
+    """Bytes sent per byte of parameters on the inter-node sync leg (:func:`~.compression.compress_ratio`)."""
+    return compression.compress_ratio(compression.check_compress(compress), DTYPE_BYTES[dtype])
 
 
 def copy_speed(profile: cm.Profile, copy_s: float | None) -> tuple[float, str]:
@@ -240,6 +257,7 @@ def make_plan(
     copy_s_per_byte: float | None = None,
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
     break_even: bool = True,
+    compare_compress: bool = False,
 ) -> Plan:
     """Model every schedule x bucket size and pick the bucket size, period and streaming to use.
 
@@ -256,11 +274,14 @@ def make_plan(
     ``copy_s_per_byte``: the launch copies (:func:`hiersync.costmodel.step_time`); None:
     the profile's ``copy_gbps``, else an assumption by backend (``copy_source`` says
     which). ``break_even=False`` skips the bisection of :func:`break_even_gbps`.
+    ``compare_compress=True`` also prices every ``compress`` option at the recommended
+    configuration and re-planned (:attr:`Plan.compress_same`, :attr:`Plan.compress_steps`) and
+    names the one that pays (:attr:`Plan.compress_pays`); ``python -m hiersync plan`` does.
+    ``compress``: None/"none", "bf16", "fp16", "int8" or "int4" (:mod:`.compression`).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
-    if compress not in ("none", *COMPRESS_DTYPES):
-        raise ValueError(f"unknown compress {compress!r}; valid: none, bf16, fp16")
+    compress = compression.check_compress(compress)
     if not periods:
         raise ValueError("periods must be ints >= 1, got []")
     _ints("periods", periods, 1)
@@ -280,15 +301,17 @@ def make_plan(
         nodes=profile.nodes if nodes is None else nodes,
         ranks_per_node=profile.ranks_per_node if gpus_per_node is None else gpus_per_node,
     )
-    backward, compute = _compute(profile, backward_s, forward_s, compute_s)
+    backward, compute = check_compute(profile, backward_s, forward_s, compute_s)
     copy_beta, copy_source = copy_speed(profile, copy_s_per_byte)
     grad_bytes = float(params) * DTYPE_BYTES[dtype]
-    ratio = 1.0 if compress == "none" else min(1.0, 2 / DTYPE_BYTES[dtype])
+    ratio = compress_ratio_for(compress, dtype)
     periods = sorted(set(periods))
     common: dict[str, Any] = dict(
         grad_bytes=grad_bytes, backward_s=backward, compute_s=compute, copy_s_per_byte=copy_beta
     )
-    rows = _rows(profile, common, periods, bucket_mb, ratio, placement, fragments, overlaps)
+    sent = None if compress == "none" else compress
+    common["param_bytes"] = DTYPE_BYTES[dtype]
+    rows = _rows(profile, common, periods, bucket_mb, sent, placement, fragments, overlaps)
 
     def best(candidates: Sequence[PlanRow]) -> PlanRow:
         return min(candidates, key=lambda r: (r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
@@ -302,10 +325,8 @@ def make_plan(
     near = [r for r in usable if r.period == period and r.step_s <= target]
     recommended = min(near, key=lambda r: (r.overlap, r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
 
-    algo, eta = profile.flat_algorithm, profile.tree_efficiency
-    links = (profile.intra, profile.inter, profile.rails)
-    flat_s = cm.flat_allreduce_time(grad_bytes, profile.nodes, profile.ranks_per_node, *links, algo, efficiency=eta)
-    intra_s = cm.allreduce_time("ring", profile.ranks_per_node, grad_bytes, profile.intra)
+    flat_s = cm.predict_allreduce(grad_bytes, profile)
+    intra_s = cm.predict_allreduce(grad_bytes, cm.node_profile(profile))
     rails = min(profile.rails or profile.ranks_per_node, profile.ranks_per_node)
     n = profile.nodes
     inter_bound = 2 * (n - 1) / n * grad_bytes * ratio * profile.inter.beta / rails
@@ -324,6 +345,7 @@ def make_plan(
         fragments=recommended.fragments,
         overlap=recommended.overlap,
         compress=compress != "none",
+        error_feedback=compression.is_quantized(compress),
         attached=recommended.placement not in (None, "hook"),
         param_bytes=DTYPE_BYTES[dtype],
     )
@@ -355,6 +377,16 @@ def make_plan(
         collectives=collectives_assumed(profile, recommended, grad_bytes * ratio),
         calibrated_nodes=calibrated,
     )
+    if compare_compress and profile.nodes > 1:
+        others: dict[str, Any] = dict(
+            params=params, backward_s=backward, compute_s=compute, dtype=dtype, periods=periods,
+            bucket_mb=bucket_mb, placement=placement, fragments=fragments, overlaps=overlaps,
+            copy_s_per_byte=copy_s_per_byte, warmup_steps=warmup_steps, break_even=False, compare_compress=False,
+        )  # fmt: skip
+        same, steps, pays = planner_sweeps.compare_compress(
+            plan, lambda option: plan if option == compress else make_plan(profile, compress=option, **others)
+        )
+        plan = replace(plan, compress_same=tuple(same), compress_steps=tuple(steps), compress_pays=pays)
     return replace(plan, break_even_gbps=break_even_gbps(plan)) if break_even else plan
 
 
@@ -363,7 +395,7 @@ def _rows(
     common: dict[str, Any],
     periods: Sequence[int],
     bucket_mb: Sequence[float],
-    ratio: float,
+    compress: str | None,
     placement: str,
     fragments: Sequence[int],
     overlaps: Sequence[int],
@@ -373,11 +405,11 @@ def _rows(
         kw: dict[str, Any] = dict(common, profile=profile, bucket_bytes=mb * MiB)
         raw.append(("ddp", 1, mb, cm.step_time("ddp", **kw), None))
         for k in periods:
-            st = cm.step_time("hiersync", period=k, compress_ratio=ratio, placement=placement, **kw)
+            st = cm.step_time("hiersync", period=k, compress=compress, placement=placement, **kw)
             raw.append((st.label, k, mb, st, placement if k > 1 else None))
         for k in periods:
             if k > 1 and profile.nodes > 1 and fragments:
-                st = _streaming(k, fragments, overlaps, dict(kw, compress_ratio=ratio))
+                st = _streaming(k, fragments, overlaps, dict(kw, compress=compress))
                 where = "overlap" if st.overlap else "optimizer"
                 raw.append((f"hiersync k={k} F={st.fragments} tau={st.overlap}", k, mb, st, where))
         raw.append(("intra-only", None, mb, cm.step_time("intra_only", **kw), None))
@@ -417,57 +449,6 @@ def _streaming(k: int, fragments: Sequence[int], overlaps: Sequence[int], kw: di
         ]
     target = min(st.step_s for st in grid) * NEAR_BEST
     return min((st for st in grid if st.step_s <= target), key=lambda st: (st.overlap, st.step_s, st.fragments))
-
-
-def break_even_gbps(plan: Plan, *, gain: float = BREAK_EVEN_GAIN) -> float | None:
-    """Inter-node bandwidth per node (GB/s) below which hiersync helps, by bisection.
-
-    "Helps": the fastest of the plan's hiersync configurations (every row's period, F, tau
-    and placement, each at the bucket size it does best at in the plan) steps at least
-    ``gain`` times faster than DDP at its best bucket size of the grid, with the inter link's
-    bandwidth (all NICs of a node together) set to the candidate and its latency kept.
-    Returns ``math.inf`` when it helps even at 10 TB/s, None on one node or when it does
-    not help even at 1 MB/s. Precision: about 1%.
-    """
-    p = plan.profile
-    if p.nodes == 1:
-        return None
-    nics = min(p.rails or p.ranks_per_node, p.ranks_per_node)
-    fastest: dict[tuple, PlanRow] = {}
-    for r in sorted((r for r in plan.rows if r.period), key=lambda r: r.step_s):
-        fastest.setdefault((r.period, r.fragments, r.overlap, r.placement), r)
-    configs = [(*key, r.bucket_mb) for key, r in fastest.items()]  # fastest first: helps() stops early
-    ddp_buckets = sorted({r.bucket_mb for r in plan.rows if r.schedule == "ddp"})
-    kw: dict[str, Any] = dict(
-        grad_bytes=plan.grad_bytes,
-        backward_s=plan.backward_s,
-        compute_s=plan.compute_s,
-        copy_s_per_byte=0.0 if math.isinf(plan.copy_gbps) else 1 / (plan.copy_gbps * 1e9),
-    )
-
-    def helps(node_gbps: float) -> bool:
-        inter = cm.Link(p.inter.alpha, nics / (node_gbps * 1e9), p.inter.gamma)
-        prof = replace(p, inter=inter)
-        ddp = min(cm.step_time("ddp", profile=prof, bucket_bytes=mb * MiB, **kw).step_s for mb in ddp_buckets)
-        target = ddp / gain
-        for k, f, t, where, mb in configs:
-            st = cm.step_time(
-                "hiersync", profile=prof, bucket_bytes=mb * MiB, period=k, fragments=f, overlap=t,
-                placement=where, compress_ratio=plan.compress_ratio, **kw,
-            )  # fmt: skip
-            if st.step_s <= target:
-                return True
-        return False
-
-    lo, hi = BREAK_EVEN_RANGE_GBPS
-    if helps(hi):
-        return math.inf
-    if not helps(lo):
-        return None
-    for _ in range(12):  # log-space bisection: 7 decades to ~0.4%
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if helps(mid) else (lo, mid)
-    return lo
 
 
 def copy_s_per_byte(gbps: float) -> float:

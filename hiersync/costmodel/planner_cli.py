@@ -2,24 +2,39 @@
 
 A network comes from ``--profile P.json`` (``python -m hiersync calibrate``), ``--preset``,
 or flags alone (``--inter-gbps 12.5 --nics-per-node 1 --intra-gbps 235 --nodes 16
---gpus-per-node 8``); with a profile or preset the same flags override its fields.
+--gpus-per-node 8``); with a profile or preset the same flags override its fields. ``--fsdp``
+plans a model sharded with FSDP2 inside the node instead (:mod:`.fsdp_plan`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
 from hiersync import costmodel as cm
-from hiersync.vocab import COMPRESS_DTYPES
 
+from .compression import COMPRESS_OPTIONS, DEFAULT_QUANT_GBPS, QUANT_BLOCK
+from .failures import (
+    DEFAULT_CHECKPOINT_S,
+    DEFAULT_DETECT_S,
+    DEFAULT_RESTART_S,
+    LLAMA3_NODE_MTBF_HOURS,
+    failure_plan,
+    format_failures,
+)
+from .fsdp import ADAMW_STATE_BYTES
+from .fsdp_plan import DEFAULT_UNITS, GPU_MEMORY_GB, format_fsdp_plan, make_fsdp_plan
 from .planner import DEFAULT_FRAGMENTS, DEFAULT_OVERLAPS, DEFAULT_WARMUP_STEPS, DTYPE_BYTES, copy_s_per_byte, make_plan
 from .planner_report import format_plan
 
 __all__ = ["add_arguments", "add_profile_arguments", "profile_from_args", "run"]
 
-# Hop latencies when the flags give none: NCCL's own (tuning.cc, Simple protocol: NVLink 3.4 us,
-# network 14 us), gloo's tens of microseconds otherwise (the emulated preset).
+logger = logging.getLogger(__name__)
+
+# Hop latencies of the alpha-beta model when the flags give none (NCCL's Simple-protocol figures,
+# NVLink 3.4 us and network 14 us; tens of microseconds on gloo). Under NCCL the cost model
+# uses NCCL's whole latency table instead (hiersync.costmodel.nccl).
 DEFAULT_LATENCY_S = {"nccl": (3.4e-6, 14e-6), "other": (30e-6, 60e-6)}
 
 
@@ -42,9 +57,21 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--inter-gbps", type=float, help="achieved bandwidth of one inter-node NIC in GB/s (bytes)")
     net.add_argument("--nics-per-node", type=int, help="inter-node NICs (rails) per node (default: one per GPU)")
     net.add_argument("--intra-gbps", type=float, help="intra-node all-reduce bus bandwidth per GPU in GB/s")
-    net.add_argument("--inter-latency-us", type=float, help="latency per inter-node hop (default 14 under NCCL)")
-    net.add_argument("--intra-latency-us", type=float, help="latency per intra-node hop (default 3.4 under NCCL)")
-    net.add_argument("--backend", help="nccl (default; ring or tree) or gloo (rings) for a network from flags")
+    net.add_argument("--nvls-gbps", type=float, help="NVLS all-reduce bus bandwidth per node in GB/s (NVSwitch nodes)")
+    net.add_argument(
+        "--net-latency-us",
+        type=float,
+        help="the fabric: latency the network plugin adds per inter-node step under NCCL (0 InfiniBand/RoCE, "
+        "75 AWS EFA on p5; calibrate measures it)",
+    )
+    net.add_argument("--gpu", choices=list(cm.nccl.GPU_GENERATIONS), help="GPU generation (NCCL's per-channel caps)")
+    net.add_argument(
+        "--inter-latency-us", type=float, help="latency per inter-node hop, alpha-beta model (gloo; NCCL uses its own)"
+    )
+    net.add_argument(
+        "--intra-latency-us", type=float, help="latency per intra-node hop, alpha-beta model (gloo; NCCL uses its own)"
+    )
+    net.add_argument("--backend", help="nccl (default: NCCL's tuning model) or gloo (rings) for a network from flags")
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -54,8 +81,11 @@ def _positive(name: str, value: float | None) -> None:
 
 def profile_from_args(args: argparse.Namespace) -> cm.Profile:
     """The profile of ``--profile``/``--preset``, with the link flags applied; or one built from the flags."""
-    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us"):
+    for name in ("inter_gbps", "intra_gbps", "inter_latency_us", "intra_latency_us", "nvls_gbps", "quant_gbps"):
         _positive("--" + name.replace("_", "-"), getattr(args, name, None))
+    net_latency = getattr(args, "net_latency_us", None)
+    if net_latency is not None and not net_latency >= 0:
+        raise ValueError(f"--net-latency-us must be >= 0, got {net_latency!r}")
     nics = getattr(args, "nics_per_node", None)
     if nics is not None and nics < 1:
         raise ValueError(f"--nics-per-node must be >= 1, got {nics}")
@@ -96,6 +126,9 @@ def profile_from_args(args: argparse.Namespace) -> cm.Profile:
             changes[level] = cm.Link(alpha, beta, link.gamma)
     if nics is not None:
         changes["rails"] = nics
+    for name in ("nvls_gbps", "net_latency_us", "gpu", "quant_gbps"):
+        if getattr(args, name, None) is not None:
+            changes[name] = getattr(args, name)
     return replace(base, **changes) if changes else base
 
 
@@ -122,14 +155,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-mb",
         type=lambda s: _list(float, s),
-        default=[1, 5, 25, 100],
-        help="DDP bucket_cap_mb values (default 1,5,25,100)",
+        default=None,
+        help="DDP bucket_cap_mb values (default 1,5,25,100; not used with --fsdp)",
     )
     parser.add_argument(
         "--compress",
-        choices=["none", *COMPRESS_DTYPES],
+        choices=list(COMPRESS_OPTIONS),
         default="none",
-        help="16-bit deltas on the inter-node sync leg (default none)",
+        help="deltas on the inter-node sync leg: bf16/fp16 (16 bits), int8/int4 (block-scaled, one fp32 scale per "
+        f"{QUANT_BLOCK} elements, a quantized rail average); default none. The plan also says which one pays",
+    )
+    parser.add_argument(
+        "--quant-gbps",
+        type=float,
+        help=f"GB/s of fp32 a quantize or dequantize pass processes (default: the profile's, else "
+        f"{DEFAULT_QUANT_GBPS:g}, a conservative GPU rate, not measured)",
     )
     parser.add_argument(
         "--placement", choices=list(cm.PLACEMENTS), default="hook", help="where period-k averaging runs (default hook)"
@@ -152,6 +192,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speed of the sync's launch copies in GB/s (default: the profile's, else 1000 under NCCL, 5 on "
         "gloo; 0 = copies free)",
     )
+    fsdp = parser.add_argument_group("FSDP2 inside the node (--fsdp)")
+    fsdp.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="plan a model sharded with FSDP2 over each node (hiersync.node_mesh()): memory per GPU, HSDP vs "
+        "hiersync period k / streaming",
+    )
+    fsdp.add_argument("--fsdp-units", type=int, default=DEFAULT_UNITS, help=f"FSDP units (default {DEFAULT_UNITS})")
+    fsdp.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="fully_shard(..., reshard_after_forward=False): no all-gather in backward, every unit kept gathered",
+    )
+    fsdp.add_argument(
+        "--optimizer-bytes",
+        type=float,
+        default=ADAMW_STATE_BYTES,
+        help=f"optimizer state bytes per parameter (default {ADAMW_STATE_BYTES:g}: AdamW's two fp32 tensors)",
+    )
+    fsdp.add_argument("--outer", action="store_true", help="an outer optimizer (outer_lr=...): its momentum in memory")
+    fsdp.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_GB, help="GPU memory (default 80 GB)")
+    fsdp.add_argument(
+        "--activations-gb", type=float, default=0.0, help="activations per GPU to add (not modelled; default 0)"
+    )
+    fail = parser.add_argument_group("failures")
+    fail.add_argument(
+        "--node-mtbf-hours",
+        type=float,
+        default=LLAMA3_NODE_MTBF_HOURS,
+        help=f"mean hours between failures of one node (default {LLAMA3_NODE_MTBF_HOURS:,.0f}: Llama 3's 419 "
+        f"unexpected interruptions in 54 days on 16,384 H100s = 2,048 nodes)",
+    )
+    fail.add_argument(
+        "--checkpoint-s",
+        type=float,
+        default=DEFAULT_CHECKPOINT_S,
+        help=f"seconds to write one checkpoint (default {DEFAULT_CHECKPOINT_S:g}, assumed)",
+    )
+    fail.add_argument(
+        "--restart-s",
+        type=float,
+        default=DEFAULT_RESTART_S,
+        help=f"seconds from a failure to training again after a restart (default {DEFAULT_RESTART_S:g}, assumed)",
+    )
+    fail.add_argument(
+        "--detect-s",
+        type=float,
+        default=DEFAULT_DETECT_S,
+        help=f"collective timeout the survivors wait before dropping a dead node (default {DEFAULT_DETECT_S:g})",
+    )
     parser.add_argument(
         "--warmup-steps",
         type=int,
@@ -161,6 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "fsdp", False):
+        return _run_fsdp(args)
     try:
         profile = profile_from_args(args)
         plan = make_plan(
@@ -172,15 +265,75 @@ def run(args: argparse.Namespace) -> int:
             backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
             forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
             periods=args.periods,
-            bucket_mb=args.bucket_mb,
+            bucket_mb=args.bucket_mb or [1, 5, 25, 100],
             compress=args.compress,
             placement=args.placement,
             fragments=[f for f in args.fragments if f != 0],
             overlaps=args.overlap,
             copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
             warmup_steps=args.warmup_steps,
+            compare_compress=True,
         )
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None
     print(format_plan(plan))
+    rec = plan.recommended
+    state = plan.params * (DTYPE_BYTES[plan.dtype] + ADAMW_STATE_BYTES) + (plan.memory.total if plan.memory else 0.0)
+    _print_failures(args, plan.profile, (rec.period or 1) * rec.step_s, state)
+    return 0
+
+
+def _print_failures(args: argparse.Namespace, profile: cm.Profile, window_s: float, state_bytes: float) -> None:
+    """The failure lines; a joiner receives ``state_bytes`` per rank from its rail peer at the rail's NIC share."""
+    rail = cm.rail_profile(profile).inter.bandwidth
+    default = abs(args.node_mtbf_hours - LLAMA3_NODE_MTBF_HOURS) < 1e-9
+    source = "Llama 3's 419 interruptions in 54 days on 2,048 nodes" if default else "--node-mtbf-hours"
+    try:
+        fp = failure_plan(
+            nodes=profile.nodes,
+            node_mtbf_hours=args.node_mtbf_hours,
+            checkpoint_s=args.checkpoint_s,
+            restart_s=args.restart_s,
+            detect_s=args.detect_s,
+            window_s=window_s,
+            recovery_s=state_bytes / rail if profile.nodes > 1 else 0.0,
+        )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan: error: {err}") from None
+    print("\n".join(format_failures(fp, mtbf_source=source)))
+
+
+def _run_fsdp(args: argparse.Namespace) -> int:
+    if args.bucket_mb is not None:
+        logger.warning("plan --fsdp: --bucket-mb is DDP's and is ignored (FSDP2 communicates per unit)")
+    try:
+        profile = profile_from_args(args)
+        plan = make_fsdp_plan(
+            profile,
+            params=args.params,
+            dtype=args.dtype,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
+            forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
+            units=args.fsdp_units,
+            periods=args.periods,
+            fragments=[f for f in args.fragments if f != 0],
+            overlaps=args.overlap,
+            compress=args.compress,
+            reshard_after_forward=args.reshard_after_forward,
+            optimizer_bytes=args.optimizer_bytes,
+            outer=args.outer,
+            copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
+            gpu_memory_gb=args.gpu_memory_gb,
+            activations_gb=args.activations_gb,
+            warmup_steps=args.warmup_steps,
+        )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan --fsdp: error: {err}") from None
+    print(format_fsdp_plan(plan))
+    rec = plan.recommended
+    lpn = plan.profile.ranks_per_node
+    state = plan.params * (DTYPE_BYTES[plan.dtype] + args.optimizer_bytes) / lpn + plan.memory.hiersync
+    _print_failures(args, plan.profile, (rec.period or 1) * rec.st.step_s, state)
     return 0

@@ -10,13 +10,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hiersync import costmodel as cm
-from hiersync.costmodel.hierarchy import rail_allreduce_time
 from hiersync.vocab import MiB
 
 if TYPE_CHECKING:
     from .planner import Plan, PlanRow
 
-__all__ = ["verdict", "edge_warnings", "collectives_assumed", "ddp_call", "register_call", "format_plan"]
+__all__ = [
+    "verdict",
+    "edge_warnings",
+    "collectives_assumed",
+    "links_line",
+    "compress_line",
+    "ddp_call",
+    "register_call",
+    "format_plan",
+]
 
 EDGE_ROOM = 1.01
 """An edge of the grid matters when the step there is more than 1% slower than what moving
@@ -125,30 +133,23 @@ def edge_warnings(
 
 
 def collectives_assumed(profile: cm.Profile, rec: PlanRow, sync_bytes: float) -> str:
-    """The collective algorithms the model priced, in words."""
-    n, lpn, eta = profile.nodes, profile.ranks_per_node, profile.tree_efficiency
-    links = (profile.intra, profile.inter, profile.rails)
+    """The collective algorithms the model priced (:func:`hiersync.costmodel.explain_allreduce`), in words."""
+    lpn, n = profile.ranks_per_node, profile.nodes
     bucket = rec.bucket_mb * MiB
-
-    def pick(times: dict[str, float]) -> str:
-        return min(times, key=lambda a: times[a])
-
-    if profile.flat_algorithm == "auto":
-        flat = pick({a: cm.flat_allreduce_time(bucket, n, lpn, *links, a, efficiency=eta) for a in ("ring", "tree")})
-        how = "the faster of ring and tree, as NCCL's tuner picks; NVLS, CollNet and LL/LL128 not modelled"
-    else:
-        flat, how = "ring", f"{profile.backend}'s ring"
-    rail = cm.rail_link(profile.inter, lpn, profile.rails)
     shard = (bucket if (rec.period or 1) == 1 else sync_bytes / max(rec.fragments, 1)) / lpn
-    algo = profile.flat_algorithm
-    rail_algo = (
-        pick({a: rail_allreduce_time(shard, n, rail, a, eta) for a in ("ring", "tree")}) if algo == "auto" else "ring"
-    )
+    flat = cm.explain_allreduce(bucket, profile)
+    local = cm.explain_allreduce(bucket, cm.node_profile(profile))
+    rail = cm.explain_allreduce(shard, cm.rail_profile(profile)) if n > 1 else "none"
     intra = profile.intra_algorithm
     gather = "reduce-scatter + all-gather" if intra == "rs_ag" else "all-reduce + L shard broadcasts"
+    how = (
+        "NCCL's tuning model: the algorithm/protocol its tuner picks for each size and shape"
+        if "nccl" in profile.backend.lower()
+        else f"{profile.backend}'s ring, alpha-beta"
+    )
     return (
-        f"DDP: flat {flat} all-reduce of each {rec.bucket_mb:g} MB bucket ({how}); hiersync: intra-node ring "
-        f"all-reduce every step, inter-node {rail_algo} all-reduce of 1/{lpn} shards on {n} ranks per rail, "
+        f"{how}; DDP: {flat} all-reduce of each {rec.bucket_mb:g} MB bucket; hiersync: intra-node {local} "
+        f"all-reduce every step, inter-node {rail} all-reduce of {_gb(shard)} shards on {n} ranks per rail, "
         f"node gather by {gather} ({intra})"
     )
 
@@ -182,6 +183,8 @@ def _memory(plan: Plan) -> str:
     lpn = plan.profile.ranks_per_node
     share = f"1/{lpn}" if m.sharded else "whole"
     parts = [f"anchor {_gb(m.anchor)}" if m.anchor else "no anchor (no compress, no outer optimizer)"]
+    if m.residual:
+        parts.append(f"error-feedback residual {_gb(m.residual)}")
     if m.sharded:
         parts.append(f"in flight {_gb(m.in_flight)}")
         parts.append(f"gather buffer {_gb(m.gather)}")
@@ -190,6 +193,40 @@ def _memory(plan: Plan) -> str:
     return (
         f"extra GPU memory per rank: {_gb(m.total)} ({'; '.join(parts)}; state {share} per rank); an outer "
         f"optimizer (outer_lr=...) adds {_gb(extra)}"
+    )
+
+
+def links_line(p: cm.Profile, nics: int) -> str:
+    """The profile's links in words: NCCL's inputs under NCCL, alpha and bandwidth otherwise."""
+    if "nccl" not in p.backend.lower():
+        return (
+            f"intra {p.intra.alpha * 1e6:g} us, {p.intra.bandwidth / 1e9:,.3g} GB/s per GPU; inter "
+            f"{p.inter.alpha * 1e6:g} us, {p.inter.bandwidth / 1e9:,.3g} GB/s per NIC x {_nics(nics)}; rings"
+        )
+    nvls = f", NVLS {p.nvls_gbps:,.4g} GB/s" if p.nvls_gbps else ", no NVLS"
+    return (
+        f"intra ring {p.intra.bandwidth / 1e9:,.4g} GB/s busbw{nvls} ({p.gpu}, {p.intra_link}); inter "
+        f"{p.inter.bandwidth / 1e9:,.4g} GB/s per NIC x {_nics(nics)}, fabric latency {p.net_latency_us:g} us; "
+        f"hop latencies NCCL's"
+    )
+
+
+def compress_line(plan: Plan) -> str:
+    """Which ``compress`` pays on this network: every option at the recommended configuration, and re-planned."""
+    same = dict(plan.compress_same)
+    pays = plan.compress_pays or "none"
+    rec = plan.recommended
+    config = rec.schedule if rec.period and rec.period > 1 else "the recommendation"
+    at = ", ".join(f"{c} {_ms(step)}" for c, step in plan.compress_same)
+    alone = "; ".join(f"{c} {_ms(step)} at {schedule}" for c, step, schedule in plan.compress_steps)
+    if pays == "none":
+        why = "no option is >= 2% faster: the step does not wait for inter-node bytes here"
+    else:
+        why = f"{same['none'] / same[pays]:.2f}x faster than none; fewer bits gain < 2% more"
+    arg = "None" if pays == "none" else f'"{pays}"'
+    return (
+        f"compress: at {config}: {at}: use compress={arg} ({why}); each re-planned (smallest k within 5% of its "
+        f"best): {alone}"
     )
 
 
@@ -202,9 +239,7 @@ def format_plan(plan: Plan) -> str:
         f"profile {p.name or '(unnamed)'} [{p.backend}]: {p.nodes} nodes x {p.ranks_per_node} GPUs "
         f"= {p.nodes * p.ranks_per_node} ranks; {plan.params:,.4g} parameters, {plan.dtype} gradients "
         f"{plan.grad_bytes / 1e9:,.2f} GB; backward {_ms(plan.backward_s)}, compute {_ms(plan.compute_s)}",
-        f"links: intra {p.intra.alpha * 1e6:g} us, {p.intra.bandwidth / 1e9:,.3g} GB/s per GPU; "
-        f"inter {p.inter.alpha * 1e6:g} us, {p.inter.bandwidth / 1e9:,.3g} GB/s per NIC x {_nics(nics)}; "
-        f"flat all-reduce: {p.flat_algorithm}; sync placement: {plan.placement}; "
+        f"links: {links_line(p, nics)}; sync placement: {plan.placement}; "
         f"sync bytes x{plan.compress_ratio:g}; launch copies: {plan.copy_source}",
         "",
         f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
@@ -235,6 +270,8 @@ def format_plan(plan: Plan) -> str:
     if plan.use_hiersync:
         lines.append(f"       {register_call(plan)}")
         lines.append(_memory(plan))
+    if plan.compress_steps:
+        lines.append(compress_line(plan))
     be = plan.break_even_gbps
     node_bw = p.inter.bandwidth * nics / 1e9
     if be is None and p.nodes > 1:
@@ -251,7 +288,8 @@ def format_plan(plan: Plan) -> str:
         )
     lines += [
         f"collectives assumed: {plan.collectives}",
-        f"assumptions: predictions of the alpha-beta model, not measurements; an overlapped sync hides only behind "
+        f"assumptions: predictions of the cost model (see 'collectives assumed'), not measurements; an overlapped "
+        f"sync hides only behind "
         f"tau local steps ({_ms(plan.compute_s)} of compute plus the local step's exposed intra-node communication "
         f"each), the rest is exposed; "
         f"launch copies (a rank's shard: snapshot and payload, or payload and write-back) are exposed on the "

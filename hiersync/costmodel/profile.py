@@ -12,12 +12,13 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .hierarchy import check_topology, intra_algorithm_for_backend
-from .links import DEFAULT_TREE_EFFICIENCY, Link, check_efficiency
+from .links import DEFAULT_TREE_EFFICIENCY, Link, check_count, check_efficiency, check_number
+from .nccl import GPU_GENERATIONS, INTRA_LINKS
 
 __all__ = ["PROFILE_FORMAT", "Profile", "PRESETS", "get_preset", "preset_for_backend", "default_copy_gbps"]
 
@@ -68,6 +69,26 @@ class Profile:
     """GB/s (1e9 bytes per second) at which a device copies memory: the speed of a sync's
     launch copies (snapshot, payload). None: unknown; the planner then assumes
     :func:`default_copy_gbps` of :attr:`backend` and says so."""
+    nvls_gbps: float | None = None
+    """NVLS (NVLink SHARP) all-reduce bus bandwidth of one node in GB/s (~480 on 8 x H100),
+    where NVSwitches reduce in the fabric; None: no NVLS (rings and trees only). Read under
+    NCCL only; :attr:`intra` stays the ring's (NVLS's figure is for all-reduce alone)."""
+    gpu: str = "hopper"
+    """GPU generation, ``"volta"``, ``"ampere"``, ``"hopper"`` or ``"blackwell"``: NCCL's
+    per-channel bandwidth caps (:mod:`.nccl`)."""
+    intra_link: str = "nvlink"
+    """``"nvlink"`` or ``"pci"``: the class of the node's GPU links, which sets NCCL's hop
+    latencies (and LL128, which needs NVLink)."""
+    net_latency_us: float = 0.0
+    """The fabric: latency in microseconds the network plugin reports to NCCL, added to each
+    inter-node step (twice with the Simple protocol). 0 for NCCL's own InfiniBand and RoCE
+    transport; 75 for AWS EFA on p5 (aws-ofi-nccl's platform value); measured by
+    ``python -m hiersync calibrate`` on other fabrics."""
+    channels: int = 16
+    """NCCL's ring/tree channels; only its per-channel bandwidth caps read it."""
+    quant_gbps: float | None = None
+    """GB/s of fp32 input one quantize or dequantize pass of ``compress="int8"/"int4"`` processes;
+    None: :data:`~.compression.DEFAULT_QUANT_GBPS` (a conservative GPU rate, not measured)."""
     forward_s: float | None = None
     """Forward (+ optimizer) compute time per step of the model to plan, where measured; None: unknown."""
     backward_s: float | None = None
@@ -85,12 +106,28 @@ class Profile:
                 raise TypeError(f"Profile.{name} must be a Link or None, got {type(getattr(self, name)).__name__}")
         check_topology(self.nodes, self.ranks_per_node, self.rails)
         check_efficiency(self.tree_efficiency)
-        for name in ("copy_gbps", "forward_s", "backward_s"):
+        for name in ("copy_gbps", "forward_s", "backward_s", "quant_gbps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"Profile.{name} must be a number > 0 or None (unknown), got {value!r}")
+        if self.nvls_gbps is not None and (isinstance(self.nvls_gbps, bool) or not self.nvls_gbps > 0):
+            raise ValueError(f"Profile.nvls_gbps must be a number > 0 or None (no NVLS), got {self.nvls_gbps!r}")
+        if self.gpu not in GPU_GENERATIONS:
+            raise ValueError(f"Profile.gpu must be one of {', '.join(GPU_GENERATIONS)}, got {self.gpu!r}")
+        if self.intra_link not in INTRA_LINKS:
+            raise ValueError(f"Profile.intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
+        check_number("Profile.net_latency_us", self.net_latency_us)
+        check_count("Profile.channels", self.channels)
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"Profile.backend must be a backend name such as 'nccl' or 'gloo', got {self.backend!r}")
+
+    def with_shape(self, *, nodes: int | None = None, ranks_per_node: int | None = None) -> Profile:
+        """This profile's links on another cluster shape (None: keep the profile's)."""
+        return replace(
+            self,
+            nodes=self.nodes if nodes is None else nodes,
+            ranks_per_node=self.ranks_per_node if ranks_per_node is None else ranks_per_node,
+        )
 
     @property
     def flat_algorithm(self) -> str:
@@ -126,6 +163,12 @@ class Profile:
             "intra_reduce_scatter": None if self.intra_reduce_scatter is None else self.intra_reduce_scatter.to_json(),
             "intra_all_gather": None if self.intra_all_gather is None else self.intra_all_gather.to_json(),
             "intra_broadcast": None if self.intra_broadcast is None else self.intra_broadcast.to_json(),
+            "nvls_gbps": self.nvls_gbps,
+            "gpu": self.gpu,
+            "intra_link": self.intra_link,
+            "net_latency_us": self.net_latency_us,
+            "channels": self.channels,
+            "quant_gbps": self.quant_gbps,
             "copy_gbps": self.copy_gbps,
             "forward_s": self.forward_s,
             "backward_s": self.backward_s,
@@ -157,6 +200,12 @@ class Profile:
             intra_reduce_scatter=optional_link(obj.get("intra_reduce_scatter")),
             intra_all_gather=optional_link(obj.get("intra_all_gather")),
             intra_broadcast=optional_link(obj.get("intra_broadcast")),
+            nvls_gbps=obj.get("nvls_gbps"),
+            gpu=obj.get("gpu", "hopper"),
+            intra_link=obj.get("intra_link", "nvlink"),
+            net_latency_us=obj.get("net_latency_us", 0.0),
+            channels=obj.get("channels", 16),
+            quant_gbps=obj.get("quant_gbps"),
             copy_gbps=obj.get("copy_gbps"),
             forward_s=obj.get("forward_s"),
             backward_s=obj.get("backward_s"),
@@ -181,25 +230,29 @@ def optional_link(obj: Mapping[str, Any] | None) -> Link | None:
     return None if obj is None else Link.from_json(obj)
 
 
-_NCCL_SRC = "NCCL src/graph/tuning.cc hop latencies (Simple protocol)"
+_NCCL_SRC = "hop latencies and protocol limits: NCCL's tuner (src/graph/tuning.cc)"
 PRESETS: dict[str, Profile] = {
-    # 8x H100 SXM: NVLS all-reduce busbw ~480 GB/s inside the node (ring alone ~370 GB/s);
-    # 8x ConnectX-7 NDR 400 Gb/s, 46-48 GB/s measured each (line rate 50 GB/s).
+    # 8x H100 SXM: ring all-reduce busbw ~370 GB/s inside the node (also reduce-scatter and
+    # all-gather), NVLS all-reduce ~480 GB/s (NVIDIA/nccl-tests#212, maintainer's figures);
+    # 8x ConnectX-7 NDR 400 Gb/s, 46-48 GB/s achieved each (line rate 50 GB/s).
     "h100-8rail": Profile(
-        intra=Link.from_bandwidth(3.4e-6, 480e9),
+        intra=Link.from_bandwidth(3.4e-6, 370e9),
         inter=Link.from_bandwidth(14e-6, 47e9),
         nodes=128,
         ranks_per_node=8,
         rails=8,
         backend="nccl",
+        nvls_gbps=480.0,
+        gpu="hopper",
         copy_gbps=1500.0,
         name="h100-8rail",
         source=(
-            f"8xH100 NVLS ~480 GB/s busbw (ring ~370); 8x NDR 400 Gb/s at 47 GB/s; {_NCCL_SRC}; "
+            f"8xH100 ring busbw ~370 GB/s, NVLS all-reduce ~480 (nccl-tests#212); 8x NDR 400 Gb/s at 47 GB/s; "
+            f"InfiniBand (no plugin latency); {_NCCL_SRC}; "
             "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
         ),
     ),
-    # 8x A100 SXM: NCCL caps Ampere busbw at 235 GB/s; one 100 Gb/s NIC (12.5 GB/s line).
+    # 8x A100 SXM: NCCL caps Ampere busbw at 235 GB/s (no NVLS); one 100 Gb/s NIC (12.5 GB/s line).
     "a100-1nic": Profile(
         intra=Link.from_bandwidth(3.4e-6, 235e9),
         inter=Link.from_bandwidth(14e-6, 11.5e9),
@@ -207,15 +260,16 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=8,
         rails=1,
         backend="nccl",
+        gpu="ampere",
         copy_gbps=1000.0,
         name="a100-1nic",
         source=(
-            f"8xA100 NVLink 235 GB/s busbw (NCCL's Ampere cap); 1x 100 Gb/s at 11.5 GB/s; {_NCCL_SRC}; "
+            f"8xA100 NVLink 235 GB/s busbw (NCCL's Ampere cap); 1x 100 Gb/s at 11.5 GB/s, InfiniBand; {_NCCL_SRC}; "
             "copies at 1000 GB/s assumed (half of 2.0 TB/s HBM2e)"
         ),
     ),
     # 8 GPUs on PCIe 4.0 x16 (~25 GB/s per direction, ~20 GB/s ring busbw); one 25 GbE
-    # port under NCCL's socket transport (~2.8 GB/s of 3.125 line rate, ~30 us per hop).
+    # port under NCCL's socket transport (~2.8 GB/s of 3.125 line rate).
     "pcie-25gbe": Profile(
         intra=Link.from_bandwidth(5.7e-6, 20e9),
         inter=Link.from_bandwidth(30e-6, 2.8e9),
@@ -223,18 +277,20 @@ PRESETS: dict[str, Profile] = {
         ranks_per_node=8,
         rails=1,
         backend="nccl",
+        gpu="ampere",
+        intra_link="pci",
         copy_gbps=300.0,
         name="pcie-25gbe",
         source=(
-            f"8 GPUs on PCIe 4.0 ~20 GB/s ring busbw; 1x 25 GbE TCP ~2.8 GB/s; {_NCCL_SRC} (PCI); "
+            f"8 GPUs on PCIe 4.0 ~20 GB/s ring busbw; 1x 25 GbE TCP ~2.8 GB/s; {_NCCL_SRC} (PCI links); "
             "copies at 300 GB/s assumed (an A10-class GPU: half of 600 GB/s GDDR6)"
         ),
     ),
     # The one-machine testbed (docs/benchmarks.md): gloo over loopback inside a node, one veth
     # per node shaped by tbf to 800 Mbit/s (~95 MB/s of 100 MB/s) between nodes. The figures are
     # what `python -m hiersync calibrate --rails 1 --full` fitted there (docs/costmodel.md,
-    # "Validation against measurement"): gloo's all-reduce reduces and copies on the CPU, so its
-    # intra-node link is ~1 GB/s, not the ~3 GB/s a raw loopback socket moves.
+    # "Against the testbed"): gloo's all-reduce reduces and copies on the CPU, so its intra-node
+    # link is ~1 GB/s, not the ~3 GB/s a raw loopback socket moves.
     "emulated": Profile(
         intra=Link.from_bandwidth(743e-6, 986.5e6),
         inter=Link.from_bandwidth(584e-6, 95e6),
@@ -248,11 +304,11 @@ PRESETS: dict[str, Profile] = {
         copy_gbps=1.4,
         name="emulated",
         source=(
-            "emulated testbed, calibrated (docs/costmodel.md, 'Validation against measurement'): gloo intra "
-            "all-reduce 743 us + 986.5 MB/s, reduce-scatter 276.1 MB/s, all-gather 466.7 MB/s and shard broadcast "
-            "2278 MB/s (effective); inter 584 us and 95 MB/s per NIC (the tbf 800 Mbit/s payload rate, measured "
-            "as raw TCP; the fit's 111.5 MB/s follows tbf's bursts at small sizes); copies at 1.4 GB/s measured "
-            "(a 100 MB torch.cat took 71 ms on the loaded 2-core box, finding 3)"
+            "emulated testbed, calibrated (docs/costmodel.md, 'Against the testbed'): gloo intra all-reduce "
+            "743 us + 986.5 MB/s, reduce-scatter 276.1 MB/s, all-gather 466.7 MB/s and shard broadcast 2278 MB/s "
+            "(effective); inter 584 us and 95 MB/s per NIC (the tbf 800 Mbit/s payload rate, measured as raw TCP; "
+            "the fit's 111.5 MB/s follows tbf's bursts at small sizes); copies at 1.4 GB/s measured (a 100 MB "
+            "torch.cat took 71 ms on the loaded 2-core box)"
         ),
     ),
 }

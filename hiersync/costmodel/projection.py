@@ -1,7 +1,8 @@
 """``python -m hiersync project``: predicted all-reduce and step times from 8 to 1024 GPUs.
 
 For each preset and cluster size (8 GPUs per node by default) it tabulates the flat ring,
-the flat tree and hiersync's two-level all-reduce of one message, the step time of
+the flat tree (each forced, as ``NCCL_ALGO`` does, in its fastest protocol) and hiersync's
+two-level all-reduce of one message (:func:`hiersync.costmodel.predict_allreduce`), the step time of
 DDP (ring, tree), hiersync k=1 (two-level), hiersync k=2/4/8 and streaming hiersync
 (``HierState(period=4, fragments=4, overlap=1)``), and the bytes one rank sends between
 nodes in its busiest step (DDP, k=4 whole-model, k=4 streaming) and on average (k=4).
@@ -85,14 +86,10 @@ def project(
                 raise ValueError(f"GPU count {count} is not a multiple of gpus_per_node={gpus_per_node}")
             nodes = count // gpus_per_node
             profile = replace(base, nodes=nodes, ranks_per_node=gpus_per_node)
-            topo = (nodes, gpus_per_node, profile.intra, profile.inter, profile.rails)
-            eta = profile.tree_efficiency
             row: dict[str, Any] = {"preset": name, "gpus": count, "nodes": nodes}
-            row["ar_ring_ms"] = cm.flat_allreduce_time(message_bytes, *topo, "ring", efficiency=eta) * 1e3
-            row["ar_tree_ms"] = cm.flat_allreduce_time(message_bytes, *topo, "tree", efficiency=eta) * 1e3
-            row["ar_two_level_ms"] = (
-                cm.hierarchical_allreduce_time(message_bytes, *topo, profile.flat_algorithm, efficiency=eta) * 1e3
-            )
+            row["ar_ring_ms"] = cm.predict_allreduce(message_bytes, profile, "ring") * 1e3
+            row["ar_tree_ms"] = cm.predict_allreduce(message_bytes, profile, "tree") * 1e3
+            row["ar_two_level_ms"] = sum(cm.predict_two_level(message_bytes, profile)) * 1e3
             kw: dict[str, Any] = dict(
                 profile=profile, grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, backward_s=backward_s
             )

@@ -3,8 +3,8 @@
 Buckets become ready uniformly during backward, in order; each bucket's collectives form a
 *chain* of stages on process groups (``"world"``, ``"intra"``, ``"rail"``), and the stages
 of one group run one at a time, first in first out (:func:`simulate`). :func:`step_time`
-builds those chains for DDP, hiersync at period 1 or k, and intra-node-only averaging, from
-the formulas of :mod:`.links` and :mod:`.hierarchy`. Pure: no torch.
+builds those chains for DDP, hiersync at period 1 or k, and intra-node-only averaging; every
+collective in them is priced by :mod:`.predict` (:func:`~.predict.predict_allreduce`). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from hiersync.vocab import Placement
 
-from .hierarchy import (
-    FLAT_ALGORITHMS,
-    check_intra_algorithm,
-    check_topology,
-    flat_allreduce_time,
-    param_sync_time,
-    two_level_stages,
-)
-from .links import Link, allreduce_time, check_count, check_number
+from .compression import compress_ratio as compress_ratio_of
+from .compression import is_quantized
+from .hierarchy import FLAT_ALGORITHMS, check_intra_algorithm, check_topology
+from .links import Link, check_count, check_number
+from .predict import node_profile, predict_allreduce, predict_param_sync, predict_two_level
 from .streaming import (
     DEFAULT_COPY_S_PER_BYTE,
     check_streaming,
@@ -131,6 +127,8 @@ def step_time(
     fragments: int = 1,
     overlap: int | bool = 0,
     copy_s_per_byte: float = DEFAULT_COPY_S_PER_BYTE,
+    compress: str | None = None,
+    param_bytes: int = 4,
 ) -> StepTime:
     """Predict per-step communication and exposed time of one schedule.
 
@@ -143,8 +141,9 @@ def step_time(
     default: bucket by bucket inside the sync step's backward), ``"optimizer"`` (after
     ``optimizer.step()``, fully exposed) or ``"overlap"`` (hidden behind the next step's
     ``compute_s``). ``compute_s`` defaults to ``backward_s``. ``algorithm`` (``"ring"``,
-    ``"tree"``, ``"auto"``) is the flat all-reduce and the rail all-reduce; default
-    ``profile.flat_algorithm``. ``intra_algorithm`` (``"rs_ag"``, ``"allreduce_bcast"``) is
+    ``"tree"``, ``"auto"``: what NCCL's tuner runs, gloo's ring) is the flat all-reduce and
+    the rail all-reduce (:func:`~.predict.predict_allreduce`); default ``"auto"``.
+    ``intra_algorithm`` (``"rs_ag"``, ``"allreduce_bcast"``) is
     how the two-level all-reduce and the parameter average reduce and gather inside the
     node; default :attr:`Profile.intra_algorithm` (by backend, as ``HierComm`` picks).
     ``nodes`` / ``ranks_per_node`` override the profile's. Warmup steps are not modelled.
@@ -157,6 +156,12 @@ def step_time(
     overlap=0`` with ``placement="optimizer"`` is the blocking whole-model average,
     ``overlap=1`` the ``"overlap"`` placement. ``copy_s_per_byte``: cost of the
     launch copies of each fragment (:func:`.streaming.launch_copy_bytes`), exposed (default 0: free).
+
+    ``compress`` (None, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``) prices the period-k
+    average's bits per element (:mod:`.compression`; ``param_bytes`` per parameter, fp32 by
+    default): 16-bit values are all-reduced on the rail, int8/int4 go through the quantized rail
+    average (all-to-all, fp32 sum, requantize, all-gather, and the quantize passes).
+    ``compress_ratio`` is the older way to say the bytes sent per byte (all-reduced); give one.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -186,40 +191,27 @@ def step_time(
     backward = check_number("backward_s", backward_s)
     compute = backward if compute_s is None else check_number("compute_s", compute_s)
     ratio = check_number("compress_ratio", compress_ratio, strict=True)
+    quant = None
+    if compress is not None:
+        if ratio != 1.0:
+            raise ValueError(f"give compress={compress!r} or compress_ratio={ratio!r}, not both")
+        ratio = compress_ratio_of(compress, param_bytes)
+        quant = compress if is_quantized(compress) else None
     n_nodes = profile.nodes if nodes is None else nodes
     lpn = profile.ranks_per_node if ranks_per_node is None else ranks_per_node
     check_topology(n_nodes, lpn, profile.rails)
-    algo, eta = algorithm or profile.flat_algorithm, profile.tree_efficiency
+    algo = algorithm or "auto"
     if algo not in FLAT_ALGORITHMS:
         raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(FLAT_ALGORITHMS)}")
-    links = (profile.intra, profile.inter, profile.rails)
-    rs_link, ag_link = profile.intra_reduce_scatter, profile.intra_all_gather
-    bc_link = profile.intra_broadcast
     intra_algo = check_intra_algorithm(intra_algorithm, profile.backend)
-
-    key = (g, b, backward, n_nodes, lpn, *links, algo, eta, rs_link, ag_link, intra_algo, bc_link, ratio)
-
-    # the intra-only chains never touch the inter link: one cache entry for every inter link
-    intra_key = (
-        g,
-        b,
-        backward,
-        n_nodes,
-        lpn,
-        profile.intra,
-        _NO_LINK,
-        None,
-        "ring",
-        eta,
-        None,
-        None,
-        intra_algo,
-        None,
-        1.0,
-    )
+    shaped = profile.with_shape(nodes=n_nodes, ranks_per_node=lpn)
+    # The intra-only chains never touch the network: one cache entry for every inter link.
+    local = replace(node_profile(shaped), inter=_NO_LINK, rails=None, net_latency_us=0.0, metadata={})
 
     def run(kind: str) -> tuple[float, float]:
-        return _run_buckets(kind, *(intra_key if kind == "intra" else key))
+        return _run_buckets(
+            kind, g, b, backward, local if kind == "intra" else shaped, algo, intra_algo, ratio, quant, param_bytes
+        )
 
     k = period
     peak_bytes = mean_bytes = 0.0
@@ -244,9 +236,10 @@ def step_time(
             else:
                 comm, exposed, peak_exposed, peak_bytes, mean_bytes = _after_step(
                     comm, exposed, k, n_frag, tau, g / n_frag, compute, copy_beta, ratio, n_nodes, lpn,
-                    lambda n: param_sync_time(
-                        n, n_nodes, lpn, *links, algo, compress_ratio=ratio, efficiency=eta,
-                        all_gather=ag_link, intra_algorithm=intra_algo, broadcast=bc_link,
+                    lambda n: (
+                        predict_param_sync(n, shaped, intra_algo, algo, compress=quant, param_bytes=param_bytes)
+                        if quant
+                        else predict_param_sync(n * ratio, shaped, intra_algo, algo)
                     ),
                 )  # fmt: skip
     return StepTime(
@@ -264,7 +257,7 @@ def step_time(
     )
 
 
-_NO_LINK = Link(0.0, 0.0)
+_NO_LINK = Link(0.0, 1.0)
 
 
 @functools.lru_cache(maxsize=512)
@@ -273,23 +266,17 @@ def _run_buckets(
     g: float,
     b: float,
     backward: float,
-    n_nodes: int,
-    lpn: int,
-    intra: Link,
-    inter: Link,
-    rails: int | None,
+    profile: Profile,
     algo: str,
-    eta: float,
-    rs_link: Link | None,
-    ag_link: Link | None,
     intra_algo: str,
-    bc_link: Link | None,
     ratio: float,
+    quant: str | None = None,
+    param_bytes: int = 4,
 ) -> tuple[float, float]:
     """(busy, exposed) seconds of one step's bucket chains of ``kind``: ``"flat"``, ``"intra"``,
-    ``"two_level"`` or ``"sync"`` (intra all-reduce then the bucket's parameter average).
+    ``"two_level"`` or ``"sync"`` (intra all-reduce then the bucket's parameter average), on
+    ``profile``'s shape. Every all-reduce is priced by :func:`.predict.predict_allreduce`.
     Cached: the planner asks for the same local step under every streaming variant."""
-    links = (intra, inter, rails)
     sizes = bucket_sizes(g, b)
     ready, done = [], 0.0
     for s in sizes:
@@ -301,18 +288,18 @@ def _run_buckets(
         key = (kind, n)
         if key not in cache:
             if kind == "flat":
-                cache[key] = [("world", flat_allreduce_time(n, n_nodes, lpn, *links, algo, efficiency=eta))]
+                cache[key] = [("world", predict_allreduce(n, profile, algo))]
             elif kind == "intra":
-                cache[key] = [("intra", allreduce_time("ring", lpn, n, intra))]
-            else:
-                rs, ar, ag = two_level_stages(n, n_nodes, lpn, *links, algo, eta, rs_link, ag_link, intra_algo, bc_link)
-                if kind == "two_level":
-                    cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
-                else:  # intra all-reduce of the gradient, then the bucket's parameter average
-                    _, ar, ag = two_level_stages(
-                        n * ratio, n_nodes, lpn, *links, algo, eta, None, ag_link, intra_algo, bc_link
-                    )
-                    cache[key] = [*chain("intra", n), ("rail", ar), ("intra", ag)]
+                cache[key] = [("intra", predict_allreduce(n, node_profile(profile)))]
+            elif kind == "two_level":
+                rs, ar, ag = predict_two_level(n, profile, intra_algo, algorithm=algo)
+                cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
+            else:  # intra all-reduce of the gradient, then the bucket's parameter average
+                sent = n if quant else n * ratio  # a quantized average prices its own bytes
+                _, ar, ag = predict_two_level(
+                    sent, profile, intra_algo, reduce=False, algorithm=algo, compress=quant, param_bytes=param_bytes
+                )
+                cache[key] = [*chain("intra", n), ("rail", ar), ("intra", ag)]
         return cache[key]
 
     chains = [chain(kind, s) for s in sizes]

@@ -182,7 +182,7 @@ def inter_bytes_per_rank(kind: str, nbytes: float, nodes: int, ranks_per_node: i
     p ranks sends ``2(p-1)/p * m`` per rank. ``"rail"`` (hiersync's two-level all-reduce and
     the parameter average): each rank all-reduces its ``n / L`` shard on its rail of N
     ranks, ``2(N-1)/N * n / L``. ``"flat"`` (DDP): a node's NICs carry ``2(p-1)/p * n`` of a
-    flat all-reduce over p = N L ranks (docs/costmodel.md), ``1/L`` of that per rank on
+    flat all-reduce over p = N L ranks (docs/costmodel-formulas.md), ``1/L`` of that per rank on
     average. One node: 0.
     """
     n = check_number("nbytes", nbytes)

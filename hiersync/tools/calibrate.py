@@ -44,7 +44,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from hiersync import costmodel as cm
@@ -168,7 +168,30 @@ def fit_profile(
         metadata=meta,
         **extra,
     )
+    if "nccl" in backend.lower():
+        profile = _nccl_profile(profile, points)
     return profile, fits
+
+
+_GPU_BY_MAJOR = {7: "volta", 8: "ampere", 9: "hopper"}
+
+
+def _nccl_profile(profile: cm.Profile, points: Mapping[str, Sequence[tuple[float, float]]]) -> cm.Profile:
+    """A profile measured under NCCL, with NCCL's inputs fitted by NCCL's own model.
+
+    The ring's bus bandwidth to the node's reduce-scatter, NVLS's to its all-reduce (where it
+    beats the ring), the NIC rate and the fabric latency to the rail all-reduces
+    (:func:`hiersync.costmodel.fit_nccl_profile`); the GPU generation is the measured compute
+    capability (``metadata["cuda_capability"]``), Hopper if unknown.
+    """
+    major = (profile.metadata.get("cuda_capability") or [9])[0]
+    gpu = _GPU_BY_MAJOR.get(major, "blackwell" if major >= 10 else "volta")
+    return cm.fit_nccl_profile(
+        replace(profile, gpu=gpu),
+        intra=points.get("intra", ()),
+        reduce_scatter=points.get("intra_reduce_scatter", ()),
+        rail=points.get("inter", ()),
+    )
 
 
 def _shard_broadcasts_time(algorithm: str, ranks: int, nbytes: float, link: cm.Link) -> float:
@@ -203,6 +226,12 @@ def format_fits(profile: cm.Profile, fits: Mapping[str, cm.LinkFit]) -> str:
         f"profile links: intra {profile.intra.alpha * 1e6:.2f} us, {profile.intra.bandwidth / 1e9:.4g} GB/s; "
         f"inter (per NIC) {profile.inter.alpha * 1e6:.2f} us, {profile.inter.bandwidth / 1e9:.4g} GB/s"
     )
+    if "nccl" in profile.backend.lower():
+        nvls = "none" if profile.nvls_gbps is None else f"{profile.nvls_gbps:.4g} GB/s"
+        lines.append(
+            f"NCCL model: intra ring {profile.intra.bandwidth / 1e9:.4g} GB/s busbw, NVLS {nvls}, GPU {profile.gpu}, "
+            f"fabric latency {profile.net_latency_us:.1f} us (NCCL's model fitted to the measurements)"
+        )
     for level in INTRA_COLLECTIVES:
         link = getattr(profile, level)
         if link is not None:
@@ -239,6 +268,8 @@ def _environment() -> dict[str, Any]:
         "world_size": dist.get_world_size(),
         "cpu_count": os.cpu_count(),
     }
+    if torch.cuda.is_available():
+        meta["cuda_capability"] = list(torch.cuda.get_device_capability())
     if hasattr(os, "getloadavg"):
         meta["loadavg_before"] = list(os.getloadavg())
     return meta

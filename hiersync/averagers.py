@@ -1,0 +1,476 @@
+"""The two kinds of node the sync engine averages across: replicas (DDP) and shards (FSDP2).
+
+The cross-node average is rail-sharded either way: local rank ``l`` of every node averages
+the same *shard* of each chunk on its rail (docs/design.md), and keeps the local-SGD state
+(fp32 anchor, outer momentum) of that shard only. What differs is where a rank's shard
+comes from and how the result gets back into the parameters:
+
+* :class:`ReplicatedNodeAverager` (DDP): every rank of a node holds the same parameters.
+  The chunk's flat fp32 layout (its parameters concatenated, padded to ``L * s``) is split
+  by local rank, rank ``l`` owning ``[l * s, (l + 1) * s)``; the node gathers the averaged
+  shards over its fast links, piece by piece for a blocking sync, as soon as the rail leg
+  is done for an overlapped one (so applying the correction is a local add). Nodes of
+  different sizes, or of one rank, average whole chunks instead (``split = 1``).
+* :class:`ShardedNodeAverager` (FSDP2): a rank holds its own shard of every parameter; the
+  shards of local rank ``l`` line up across nodes when every node has L ranks, so the rank
+  averages its own shards on its rail and writes them back locally: nothing to gather.
+
+Per rank that is ``2/L`` of the fp32 parameter bytes in steady state (anchor + momentum,
+only with ``compress`` or an outer step) plus the snapshot and payload of the chunks in
+flight, instead of several full copies (docs/local-sgd.md, "Memory").
+
+Both implement :class:`hiersync.sync.Averager`; the maths is written once, in
+:class:`RailAverager`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .futures import completed, then, wait
+from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
+from .quant import BlockCodec
+from .sync import Launched
+from .vocab import GATHER_PIECE_BYTES
+
+__all__ = ["RailAverager", "ReplicatedNodeAverager", "ShardedNodeAverager", "ChunkState"]
+
+
+@dataclass
+class ChunkState:
+    """A chunk's flat layout and this rank's state for its shard of it."""
+
+    indices: tuple[int, ...]
+    offsets: list[int]  # flat start of each parameter, plus the total
+    s: int  # shard length
+    lo: int  # this rank's shard starts here (flat coordinates)
+    anchor: torch.Tensor | None = None  # (s,) fp32
+    momentum: torch.Tensor | None = None  # (s,) fp32
+    residual: torch.Tensor | None = None  # (s,) fp32: what the codes of this shard's deltas left out
+    reduced_residual: torch.Tensor | None = None  # fp32: the same for the piece this rank reduces
+
+    @property
+    def n(self) -> int:
+        return self.offsets[-1]
+
+
+_STATE = ("anchor", "momentum", "residual", "reduced_residual")
+"""What a chunk keeps between syncs (and checkpoints)."""
+
+
+class RailAverager:
+    """Cross-node averages of this rank's shard of each chunk on its rail, and that shard's state.
+
+    The base case: the rank averages its whole vector of each chunk (``split = 1``) with
+    ``transfer`` and writes the result back locally. Subclasses say which tensors a
+    position holds here (:meth:`local`) and how a node splits and gathers a chunk.
+    """
+
+    split: int = 1
+    """Ranks of the node that split a chunk between them (1: each rank averages all of it)."""
+    index: int = 0
+    """Which shard this rank holds: its part of a split chunk (a node of replicas), or of every
+    parameter (a sharded node); checkpoints are checked against it."""
+
+    def __init__(
+        self,
+        comm: Any,
+        registry: Registry,
+        *,
+        compress: torch.dtype | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.0,
+        state_device: str | None = None,
+        transfer: Callable[[torch.Tensor], torch.futures.Future] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.registry = registry
+        self.compress = compress
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        # "cpu": anchor and momentum live in host memory (pinned where CUDA is available), as
+        # torchft's backup device; the maths runs on the parameters' device on transient copies.
+        self.state_device = torch.device(state_device) if state_device is not None else None
+        self.transfer = transfer if transfer is not None else comm.average_shard
+        self.codec = compress if isinstance(compress, BlockCodec) else None
+        """int8/int4: block-quantized deltas with error feedback (:mod:`hiersync.quant`)."""
+        self._chunks: dict[tuple[int, ...], ChunkState] = {}
+        self._loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.registry.params
+
+    @property
+    def needs_anchor(self) -> bool:
+        return self.compress is not None or self.outer_lr is not None
+
+    def local(self, i: int) -> torch.Tensor:
+        """The tensor position ``i`` holds on this rank (the parameter itself here)."""
+        return self.params[i]
+
+    def units(self) -> list[tuple[list[int], int]]:
+        return [([i], p.numel() * 4) for i, p in enumerate(self.params)]
+
+    def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
+        return [self.params[i].numel() * 4 for i in indices]
+
+    # ------------------------------------------------------------- layout
+    def chunk(self, indices: Sequence[int]) -> ChunkState:
+        key = tuple(indices)
+        c = self._chunks.get(key)
+        if c is None:
+            offsets = [0]
+            for i in key:
+                offsets.append(offsets[-1] + self.local(i).numel())
+            s = -(-offsets[-1] // self.split)
+            lo = self.index * s if self.split > 1 else 0
+            c = self._chunks[key] = ChunkState(key, offsets, s, lo)
+            self._bind_loaded(c)
+        return c
+
+    def shard_numel(self, indices: Sequence[int]) -> int:
+        return self.chunk(indices).s
+
+    def _device(self, c: ChunkState) -> torch.device:
+        return self.local(c.indices[0]).device
+
+    def _shard_of(self, c: ChunkState, source: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's shard of the chunk, as a new fp32 vector (zero padding at the end).
+
+        ``source``: per-parameter tensors to read (default: the parameters themselves).
+        """
+        out = torch.zeros(c.s, dtype=torch.float32, device=self._device(c))
+        lo, hi = c.lo, min(c.lo + c.s, c.n)
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a < b:
+                t = (source[j] if source is not None else self.local(i)).detach().reshape(-1)
+                out[a - lo : b - lo].copy_(t[a - c.offsets[j] : b - c.offsets[j]])
+        return out
+
+    def own_shard(self, indices: Sequence[int], correction: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a correction of the whole chunk (or of its own vector)."""
+        c = self.chunk(indices)
+        if correction.numel() == c.s:
+            return correction
+        out = torch.zeros(c.s, dtype=torch.float32, device=correction.device)
+        hi = min(c.lo + c.s, c.n)
+        if hi > c.lo:
+            out[: hi - c.lo].copy_(correction.reshape(-1)[c.lo : hi])
+        return out
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as kept between syncs: on ``state_device`` (pinned host memory) if one is set."""
+        if self.state_device is None or t.device == self.state_device:
+            return t
+        pin = self.state_device.type == "cpu" and torch.cuda.is_available()
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.state_device, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+
+    @staticmethod
+    def _here(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device`` (a transient copy when the state is offloaded)."""
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    # ------------------------------------------------------------- anchors
+    def capture(self, chunks: Sequence[Sequence[int]]) -> None:
+        if not self.needs_anchor:
+            return
+        for idx in chunks:
+            c = self.chunk(idx)
+            if c.anchor is None:
+                c.anchor = self._store(self._shard_of(c))
+
+    # ------------------------------------------------------------- averaging
+    def launch(self, indices: Sequence[int]) -> Launched:
+        return self._launch(self.chunk(indices), keep_snapshot=False)
+
+    def _launch(self, c: ChunkState, keep_snapshot: bool) -> Launched:
+        x = self._shard_of(c)
+        if self.needs_anchor and c.anchor is None:
+            raise missing_anchor(c.indices)
+        if self.codec is not None:
+            future = self._launch_quantized(c, x)
+        elif self.compress is not None:
+            assert c.anchor is not None
+            anchor = self._here(c.anchor, x.device)
+            delta = torch.sub(x, anchor) if keep_snapshot else x.sub_(anchor)
+            payload = delta.to(self.compress)
+            del delta
+            future = self.transfer(payload)
+        else:
+            payload = x.clone() if keep_snapshot else x  # the transfer overwrites its payload
+            future = self.transfer(payload)
+        return Launched(c.indices, future, snapshot=x if keep_snapshot else None)
+
+    def _launch_quantized(self, c: ChunkState, x: torch.Tensor) -> torch.futures.Future:
+        """Send ``x - anchor`` (plus what earlier codes left out) as block codes, one piece per node.
+
+        The future holds the rail's averaged delta, decoded (fp32, the shard's length).
+        """
+        codec = self.codec
+        assert codec is not None and c.anchor is not None
+        N = self.comm.rail_nodes()
+        padded = codec.padded(c.s, N)
+        e = torch.zeros(padded, dtype=torch.float32, device=x.device)
+        torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
+        if c.residual is not None:
+            e[: c.s].add_(self._here(c.residual, x.device))
+        packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
+        left = e.sub_(codec.decode_pieces(packed, padded, N))[: c.s]  # what these codes leave out
+        if c.residual is None:
+            c.residual = self._store(left.clone())
+        else:
+            c.residual.copy_(left, non_blocking=True)
+        n = padded // N  # values per piece
+        nbytes = codec.packed_bytes(n)
+
+        def reduce(received: torch.Tensor) -> torch.Tensor:
+            # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
+            mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / N
+            assert isinstance(mean, torch.Tensor)
+            r = c.reduced_residual
+            if r is not None and r.numel() == n:  # (a different number of nodes starts afresh)
+                mean.add_(self._here(r, mean.device))
+            out = codec.encode(mean)
+            left = mean.sub_(codec.decode(out, n))
+            if r is not None and r.numel() == n:
+                r.copy_(left, non_blocking=True)
+            else:
+                c.reduced_residual = self._store(left)
+            return out
+
+        def decoded(f: torch.futures.Future) -> torch.Tensor:
+            return codec.decode_pieces(wait(f), padded, N)[: c.s]
+
+        return then(self.comm.average_quantized(packed, reduce), decoded, x.device, "the quantized rail average")
+
+    def complete(self, launched: Launched) -> torch.Tensor:
+        return self._complete(self.chunk(launched.indices), launched)
+
+    def _complete(self, c: ChunkState, launched: Launched) -> torch.Tensor:
+        avg = wait(launched.future)
+        anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
+        # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
+        if self.compress is not None:
+            assert anchor is not None
+            avg = avg.float().add_(anchor)
+        if self.outer_lr is not None:
+            assert anchor is not None
+            here = self._here(c.momentum, avg.device) if c.momentum is not None else None
+            avg, m = outer_step(avg, anchor, here, self.outer_lr, self.outer_momentum)
+            if m is not None and c.momentum is None:
+                c.momentum = self._store(m)
+            elif m is not None and m is not c.momentum:
+                c.momentum.copy_(m, non_blocking=True)  # type: ignore[union-attr]
+        if self.needs_anchor:
+            if c.anchor is None:
+                c.anchor = self._store(avg.clone())
+            else:
+                c.anchor.copy_(avg, non_blocking=True)  # the persistent buffer, reused
+        return avg
+
+    def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
+        c = self.chunk(indices)
+        launched = self._launch(c, keep_snapshot=True)
+
+        def correction(_: torch.futures.Future) -> torch.Tensor:
+            # The snapshot and the transfer's payload are dropped as soon as they are used.
+            snapshot, launched.snapshot = launched.snapshot, None
+            assert snapshot is not None
+            return self._complete(c, launched).sub_(snapshot)
+
+        return then(launched.future, correction, self._device(c), "the cross-node correction")
+
+    def add_correction(self, indices: Sequence[int], correction: torch.Tensor) -> None:
+        c = self.chunk(indices)
+        if correction.is_cuda:  # made on a callback's or the side stream, read here on the current one
+            correction.record_stream(torch.cuda.current_stream(correction.device))
+        self._write_range(c, 0, correction, add=True)  # the whole chunk's (or the rank's whole vector)
+
+    @torch.no_grad()
+    def write(self, indices: Sequence[int], shard: torch.Tensor, add: bool = False) -> None:
+        c = self.chunk(indices)
+        self._write_range(c, c.lo, shard[: max(0, min(c.s, c.n - c.lo))], add)
+
+    def _write_range(self, c: ChunkState, lo: int, values: torch.Tensor, add: bool) -> None:
+        """Copy (or add) ``values`` into the chunk's flat range starting at ``lo``."""
+        hi = min(lo + values.numel(), c.n)
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a >= b:
+                continue
+            put(self.local(i).data.view(-1)[a - c.offsets[j] : b - c.offsets[j]], values[a - lo : b - lo], add)
+
+    def release(self) -> None:
+        self.registry.clear()
+        self._chunks, self._loaded = {}, []
+
+    # ------------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        """This rank's shards of anchor and momentum (saved by every rank).
+
+        Copies: both are updated in place by later syncs, and a host-resident
+        (``state_device="cpu"``) copy may still be in flight from the device.
+        """
+        if self.state_device is not None and self.state_device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies into pinned memory have landed
+
+        def saved(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to("cpu", copy=True)
+
+        return {
+            "kind": type(self).__name__,
+            "split": self.split,
+            "index": self.index,
+            "chunks": [
+                {"indices": list(c.indices)} | {key: saved(getattr(c, key)) for key in _STATE}
+                for c in self._chunks.values()
+                if any(getattr(c, key) is not None for key in _STATE)
+            ],
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        mine = (type(self).__name__, self.split, self.index)
+        theirs = (state.get("kind", mine[0]), state.get("split", self.split), state.get("index", self.index))
+        if state.get("chunks") and theirs != mine:  # checked before anything changes
+            raise ValueError(
+                f"this hiersync state_dict holds the shards of local rank {theirs[2]} ({theirs[0]}, chunks split "
+                f"{theirs[1]} ways), but this is local rank {self.index} ({mine[0]}, split {self.split} ways): every "
+                "rank must save and load its own state.state_dict() (or call state.synchronize(model) and start a "
+                "fresh state)"
+            )
+        self._chunks.clear()
+        self._loaded = list(state.get("chunks") or [])
+
+    def _bind_loaded(self, c: ChunkState) -> None:
+        device = self._device(c)
+        for saved in self._loaded:
+            if tuple(saved["indices"]) == c.indices:
+                for key in _STATE:
+                    t = saved.get(key)
+                    if t is not None:
+                        if t.numel() != c.s and key != "reduced_residual":
+                            raise ValueError(
+                                f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
+                                f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
+                            )
+                        setattr(c, key, self._store(t.to(device=device, dtype=torch.float32, copy=True)))
+                return
+
+
+class ReplicatedNodeAverager(RailAverager):
+    """Every rank of a node holds the same parameters (DDP): split each chunk by local rank.
+
+    ``hook``: the pure hook's per-parameter state, whose shard a chunk starts from when
+    the checkpoint was saved by the pure hook (no optimizer attached then).
+    """
+
+    def __init__(self, comm: Any, registry: Registry, *, hook: HookAverager | None = None, **options: Any) -> None:
+        topo = comm.topology
+        even = topo.even and topo.num_nodes > 1
+        transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
+        super().__init__(comm, registry, transfer=transfer, **options)
+        if self.codec is not None and not topo.even:
+            raise ValueError(
+                f"compress={self.codec.name!r} needs nodes with equal numbers of ranks (its rail average is an "
+                f"all-to-all on every rail); this job's nodes hold {[len(n) for n in topo.nodes]} ranks: use "
+                "compress='bf16' here"
+            )
+        if even:
+            self.split, self.index = comm.groups.node_size, comm.groups.local_rank
+        self.hook = hook
+        self._scratch: torch.Tensor | None = None  # one gathered piece, reused
+
+    @torch.no_grad()
+    def write(self, indices: Sequence[int], shard: torch.Tensor, add: bool = False) -> None:
+        """``shard`` is this rank's; the node gathers the shards over its intra links, piece by piece."""
+        c = self.chunk(indices)
+        if self.split == 1:
+            super().write(indices, shard, add)
+            return
+        L = self.split
+        shard = shard.to(torch.float32)
+        q = max(GATHER_PIECE_BYTES // 4, -(-c.s // 4))  # values per piece
+        for a in range(0, c.s, q):  # piece by piece: the gathered buffer stays small
+            b = min(a + q, c.s)
+            need = (b - a) * L
+            if self._scratch is None or self._scratch.numel() < need or self._scratch.device != shard.device:
+                self._scratch = torch.empty(need, dtype=torch.float32, device=shard.device)
+            got = wait(self.comm.gather_node(self._scratch[:need], shard[a:b]))
+            for r in range(L):  # rank r's piece is flat [r * s + a, r * s + b)
+                lo = r * c.s + a
+                hi = min(r * c.s + b, c.n)
+                if lo < hi:
+                    self._write_range(c, lo, got[r * (b - a) : r * (b - a) + hi - lo], add)
+
+    def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
+        """The node's whole correction, gathered as soon as the rail leg is done.
+
+        As soon as the rail leg is done, this rank turns its shard into its shard of the
+        correction (the maths of :meth:`complete`, which updates anchor and momentum) and
+        the node all-gathers them into one fp32 buffer of the chunk, so that applying it
+        later is a local add, not a blocking gather. The gathers are issued in the order of
+        these calls (the launch order, identical on every rank). The buffer, the chunk's
+        size in fp32, lives until the correction is applied.
+        """
+        if self.split == 1:
+            return super().launch_correction(indices)
+        c = self.chunk(indices)
+        launched = self._launch(c, keep_snapshot=True)
+        like = launched.snapshot
+        assert like is not None
+
+        def shard() -> torch.Tensor:
+            # ``c`` is held here: closing the averager meanwhile does not change what is issued.
+            snapshot, launched.snapshot = launched.snapshot, None
+            assert snapshot is not None
+            out = self._complete(c, launched).sub_(snapshot)
+            launched.future = completed(None)
+            return out
+
+        return self.comm.gather_node_after(launched.future, shard, like)
+
+    def release(self) -> None:
+        super().release()
+        self._scratch = None
+
+    def _bind_loaded(self, c: ChunkState) -> None:
+        super()._bind_loaded(c)
+        if c.anchor is not None or c.momentum is not None or self.hook is None:
+            return
+        # the pure hook's per-parameter state (a checkpoint saved without an attached optimizer)
+        for key, store in (("anchor", self.hook.anchor), ("momentum", self.hook.momentum)):
+            if all(i in store for i in c.indices):
+                setattr(c, key, self._store(self._shard_of(c, [store[i] for i in c.indices]).float()))
+
+
+class ShardedNodeAverager(RailAverager):
+    """Every rank holds its own shard of each parameter (FSDP2 ``fully_shard`` over the node).
+
+    The registry holds the sharded parameters (DTensors); a position's tensor here is its
+    local shard, which lines up with the same local rank's on every node when all nodes
+    have L ranks. ``units``: the registry positions of each FSDP module (a fragment holds
+    whole units) and their full size in fp32 bytes.
+    """
+
+    def __init__(self, comm: Any, registry: Registry, *, units: list[tuple[list[int], int]], **options: Any) -> None:
+        super().__init__(comm, registry, **options)
+        self.index = comm.groups.local_rank
+        self._units = units
+
+    def local(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def units(self) -> list[tuple[list[int], int]]:
+        return self._units
+
+    def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
+        return [self.local(i).numel() * 4 for i in indices]

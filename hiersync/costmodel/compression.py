@@ -1,0 +1,116 @@
+"""What ``compress=`` costs on the inter-node leg: bits per element, and the quantized rail average.
+
+``HierState(compress=...)`` sends deltas against an fp32 anchor across nodes:
+
+* ``None``: the parameters' own dtype (32 bits per element for fp32);
+* ``"bf16"`` / ``"fp16"``: 16 bits, all-reduced on the rail like full precision;
+* ``"int8"`` / ``"int4"``: b bits per element plus one fp32 scale per block of
+  :data:`QUANT_BLOCK` elements, sent as a *quantized rail average*: an all-to-all of the
+  quantized pieces, an fp32 sum of each rank's piece, requantized, then an all-gather. Each
+  rank sends ``2(N-1)/N * n * bits/8`` bytes for its n-element shard, as an all-reduce of
+  ``bits``-bit values would, but pays the latency of both phases and the quantize and
+  dequantize passes (:func:`quantize_seconds`) at :attr:`Profile.quant_gbps`.
+
+Quantized values cannot be summed inside an all-reduce, hence the two phases (the scheme of
+torchft's and DeepSpeed ZeRO++'s quantized collectives). Pure: no torch.
+
+Example::
+
+    >>> bits_per_element("int8", 4), bits_per_element("int4", 4), bits_per_element("bf16", 4)
+    (8.25, 4.25, 16)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hiersync.vocab import QUANT_BLOCK
+
+from .links import check_number
+
+if TYPE_CHECKING:
+    from .profile import Profile
+
+__all__ = [
+    "QUANT_BLOCK",
+    "SCALE_BITS",
+    "COMPRESS_OPTIONS",
+    "QUANTIZED_BITS",
+    "DEFAULT_QUANT_GBPS",
+    "check_compress",
+    "is_quantized",
+    "bits_per_element",
+    "compress_ratio",
+    "quantize_seconds",
+    "quantized_average_seconds",
+]
+
+SCALE_BITS = 32
+COMPRESS_OPTIONS = ("none", "bf16", "fp16", "int8", "int4")
+"""``"none"`` stands for ``compress=None`` on the command line."""
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+DEFAULT_QUANT_GBPS = 100.0
+"""GB/s of fp32 input one quantize or dequantize pass processes when a profile states none: a
+conservative GPU rate (the passes are memory-bound and an H100's HBM moves ~3 TB/s); not
+measured on a device yet."""
+
+
+def check_compress(compress: str | None) -> str:
+    """``compress`` as one of :data:`COMPRESS_OPTIONS` (None means ``"none"``); ``ValueError`` otherwise."""
+    name = "none" if compress is None else compress
+    if name not in COMPRESS_OPTIONS:
+        raise ValueError(f"unknown compress {compress!r}; valid: {', '.join(COMPRESS_OPTIONS)} (none = None)")
+    return name
+
+
+def is_quantized(compress: str | None) -> bool:
+    """Whether ``compress`` is sent as a quantized rail average (int8, int4)."""
+    return check_compress(compress) in QUANTIZED_BITS
+
+
+def bits_per_element(compress: str | None, param_bytes: int = 4) -> float:
+    """Bits sent per parameter on the inter-node leg, block scales included."""
+    name = check_compress(compress)
+    own = 8 * param_bytes
+    if name == "none":
+        return own
+    if name in ("bf16", "fp16"):
+        return min(16, own)
+    return QUANTIZED_BITS[name] + SCALE_BITS / QUANT_BLOCK
+
+
+def compress_ratio(compress: str | None, param_bytes: int = 4) -> float:
+    """Bytes sent per byte of parameters: :func:`bits_per_element` / (8 x ``param_bytes``)."""
+    return bits_per_element(compress, param_bytes) / (8 * param_bytes)
+
+
+def quantize_seconds(elements: float, nodes: int, profile: Profile) -> float:
+    """The quantize/dequantize passes of one quantized rail average of ``elements`` (fp32 maths).
+
+    Quantize the shard, dequantize and sum the N-1 pieces received ((N-1)/N of it), requantize
+    the rank's piece (1/N), dequantize the gathered result: 3 passes over the shard's elements,
+    4 bytes each, at the profile's ``quant_gbps`` (:data:`DEFAULT_QUANT_GBPS` if unstated).
+    """
+    n = check_number("elements", elements)
+    gbps = profile.quant_gbps or DEFAULT_QUANT_GBPS
+    passes = 1 + (nodes - 1) / nodes + 1 / nodes + 1
+    return passes * n * 4 / (gbps * 1e9)
+
+
+def quantized_average_seconds(shard_bytes: float, profile: Profile, compress: str, param_bytes: int = 4) -> float:
+    """One quantized rail average (int8/int4) of a rank's ``shard_bytes`` shard on ``profile``'s rail.
+
+    All-to-all of the quantized shard, then all-gather of the requantized pieces (both priced
+    on the rail by :mod:`.predict`), plus :func:`quantize_seconds`. One node: 0.
+    """
+    from .predict import predict_rail_collective
+
+    if not is_quantized(compress):
+        raise ValueError(f"compress={compress!r} is not quantized; valid: {', '.join(QUANTIZED_BITS)}")
+    if profile.nodes == 1:
+        return 0.0
+    elements = check_number("shard_bytes", shard_bytes) / param_bytes
+    wire = elements * bits_per_element(compress, param_bytes) / 8
+    exchange = predict_rail_collective("all_to_all", wire, profile)
+    gather = predict_rail_collective("all_gather", wire, profile)
+    return exchange + gather + quantize_seconds(elements, profile.nodes, profile)

@@ -1,0 +1,201 @@
+"""What the DDP and FSDP2 front-ends share: options, groups, the engine, the step, the optimizer hooks.
+
+A front-end (:class:`hiersync.HierState` for DDP, :class:`hiersync.fsdp.FSDPState` for
+FSDP2) knows where a step's gradients are reduced inside the node and tells the shared
+parts here what happened: a backward began (:meth:`SyncState._begin_step`) and ended
+(:meth:`SyncState._end_step`); the optimizer stepped (its post-hook calls the engine).
+This base owns the rest of the lifecycle: the schedule's step counter, the non-finite
+guard's hooks around ``optimizer.step()``, checkpoints (:mod:`hiersync.state_io`),
+:meth:`drain` and :meth:`close`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import state_io
+from .collectives import HierComm
+from .config import HierConfig
+from .ddp_checks import check_attachable, check_constructible, check_optimizer_owns, unwrap_optimizer
+from .guard import NonFiniteGuard
+from .localsgd import HookAverager, Registry
+from .stats import Stats
+from .sync import Averager, CrossNodeSync
+from .topology import Topology, check_layout, world_timeout
+from .vocab import StepKind
+
+__all__ = ["SyncState"]
+
+EXACT, SYNC = StepKind.EXACT, StepKind.SYNC
+
+
+class SyncState:
+    """The state both front-ends share. Collective: every rank constructs it, in the same order.
+
+    Options are those of :class:`~hiersync.config.HierConfig`. ``comm`` replaces the groups
+    (tests inject a mock); ``timeout`` defaults to the world process group's own timeout.
+    """
+
+    FRONTEND = ""
+    """The front-end's name in checkpoints (``"ddp"``, ``"fsdp"``)."""
+    hook_averager: HookAverager | None = None
+    """The sync step's average inside DDP's hook (no optimizer attached); None elsewhere."""
+
+    def __init__(
+        self,
+        period: int = 1,
+        warmup_steps: int = 0,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        topology: Topology | None = None,
+        comm: HierComm | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = cfg = HierConfig(period=period, warmup_steps=warmup_steps, **options)
+        check_constructible(topology)
+        self.schedule = cfg.schedule
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self._world_group = dist.group.WORLD  # the groups below die with it
+        self.backend = str(dist.get_backend())
+        self.timeout = cfg.timeout if cfg.timeout is not None else world_timeout(process_group)
+        if comm is None:
+            topology = topology if topology is not None else Topology.detect(process_group)
+            self._check_topology(topology)
+            groups = topology.build_groups(process_group, timeout=self.timeout)
+            comm = HierComm(groups, Stats(), label=self._label, intra_algorithm=cfg.intra_algorithm)
+        self.comm = comm
+        self.topology, self.groups, self.stats = comm.topology, comm.groups, comm.stats
+        self.registry = Registry()
+        """The parameters hiersync averages, by position (checkpoints refer to these positions)."""
+        self.engine: CrossNodeSync = None  # type: ignore[assignment]  # set by the front-end (_use)
+        self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
+        self.step = 0
+        """Synchronized backward passes completed (the schedule's step counter)."""
+        self._kind: StepKind | None = None  # kind of the step whose gradients are being reduced
+        self._stepped_for = -1  # step count at the last optimizer.step() we acted on
+        self._capture_pending = True  # anchors are captured on the first non-exact step
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._handles: list[Any] = []  # hooks to remove at close()
+        self._owner_checked = False
+        self._model: torch.nn.Module | None = None
+        self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
+        self._closed = False
+        check_layout(self.topology, cfg.period, self.rank, detail=str(cfg))
+
+    def _check_topology(self, topology: Topology) -> None:
+        """A front-end's requirement on the node layout (before any group is built)."""
+
+    def _use(self, averager: Averager) -> None:
+        """Build the engine over the front-end's averager."""
+        cfg = self.config
+        self.engine = CrossNodeSync(averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def period(self) -> int:
+        return self.schedule.period
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.schedule.warmup_steps
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average across nodes right after ``optimizer.step()`` on sync steps.
+
+        Then every rank holds identical parameters after each sync step (without
+        ``overlap``). Uses ``Optimizer.register_step_pre_hook``/``register_step_post_hook``.
+        """
+        optimizer = unwrap_optimizer(optimizer)
+        check_attachable(self, optimizer)
+        self._optimizer = optimizer
+        self._handles += [
+            optimizer.register_step_pre_hook(self._before_optimizer_step),
+            optimizer.register_step_post_hook(self._after_optimizer_step),
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the schedule exactly: save it with the model and optimizer.
+
+        Each rank saves its own (its shard of the local-SGD state). Syncs in flight are
+        finished and saved as corrections still to apply (see :mod:`hiersync.state_io`).
+        """
+        return state_io.save(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Call before the first backward after a restart."""
+        state_io.load(self, state_dict)
+
+    def drain(self) -> None:
+        """Wait for every cross-node sync in flight and apply it to the parameters. Collective."""
+        if self._model is not None:
+            state_io.bootstrap_registry(self, self._model)
+        self.engine.launch_due()
+        self.engine.apply_corrections()
+
+    def close(self) -> None:
+        """Remove hiersync's hooks and destroy its process groups.
+
+        Syncs in flight are *not* applied: call :meth:`drain` (or ``synchronize``) first
+        to keep them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.engine.close()  # and the registry: DDP keeps a hook's state alive as long as the model
+        if self.hook_averager is not None:
+            self.hook_averager.release()
+        self.groups.destroy()
+        self._model = self._optimizer = None
+
+    def __enter__(self) -> SyncState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the step
+    def _label(self) -> str:
+        if self._kind is None:  # between backward passes: the sync after optimizer.step()
+            return f"step {self.step - 1}, sync after optimizer.step()"
+        return f"step {self.step}, {self._kind} step"
+
+    def _begin_step(self) -> StepKind:
+        """A synchronized backward begins: settle the last verdict, launch a due sync; its kind."""
+        self.guard.next_step()
+        self.engine.launch_due(f" on rank {self.rank}")
+        self._kind = self.schedule.kind(self.step)
+        return self._kind
+
+    def _end_step(self, kind: StepKind) -> int:
+        """The step's gradients are reduced: count it, capture anchors, mark its sync due; the step."""
+        step = self.step
+        self.stats.count_step(kind, step)
+        self._kind = None
+        if kind != EXACT and self._capture_pending:
+            if self._optimizer is not None and self.engine.averager.needs_anchor:
+                self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
+            self._capture_pending = False  # every parameter has been seen on a non-exact step
+        if kind == SYNC and self._optimizer is not None:
+            self.engine.mark_due(step)  # after optimizer.step(), or before the next forward if it is skipped
+        self.step += 1
+        return step
+
+    # ------------------------------------------------------------------ optimizer hooks
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.guard.skip_update():
+            self.guard.drop_grads(optimizer)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._stepped_for == self.step:
+            return  # optimizer.step() called again without a synchronized backward in between
+        self._stepped_for = self.step
+        if not self._owner_checked:
+            check_optimizer_owns(optimizer, self.registry.params)
+            self._owner_checked = True
+        self.engine.after_step(self.step)
