@@ -612,8 +612,8 @@ def test_torchft_schedule_names():
     # what --peers adds: hiersync streaming with DiLoCo's outer step, then torchft's three rows,
     # before the references
     names = bench_spec.with_peers(bench.default_schedules(), ["torchft"])
-    assert names[-5:] == ["torchft_localsgd_k4", "torchft_diloco_k4", "torchft_streaming_k4_f2_d1", "intra_only",
-                          "compute_only"]  # fmt: skip
+    assert names[-6:] == ["torchft_localsgd_k4", "torchft_diloco_k4", "torchft_diloco_k4_d3",
+                          "torchft_streaming_k4_f2_d1", "intra_only", "compute_only"]  # fmt: skip
     assert "hiersync_p4_stream_outer" in names
     with pytest.raises(ValueError, match="'jax'"):
         bench_spec.with_peers(["ddp"], ["jax"])
@@ -706,7 +706,8 @@ def test_bench_with_torchft_rows_tiny(tmp_path, capsys):
     assert "torchft rows (torchft 0." in text and "fragments=4 with fragment_sync_delay=1 is refused" in text
     assert "hiersync streaming / each torchft row" in text and "issue" not in text
     rows = {r["schedule"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
-    names = ["hiersync_p4_stream_outer", "torchft_localsgd_k4", "torchft_diloco_k4", "torchft_streaming_k4_f2_d1"]
+    names = ["hiersync_p4_stream_outer", "torchft_localsgd_k4", "torchft_diloco_k4", "torchft_diloco_k4_d3",
+             "torchft_streaming_k4_f2_d1"]  # fmt: skip
     for name in names:
         r = rows[name]
         assert r["step_s"] > 0 and r["step_p99_s"] >= r["step_p50_s"] > 0 and len(r["step_durations_s"].split(";")) == 4

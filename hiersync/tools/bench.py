@@ -195,17 +195,21 @@ def run_bench(
         bar = _ProgressFile(prog_path, total) if progress else None
         load_before = os.getloadavg()[0]
         start = time.monotonic()
+        cluster = dict(
+            nodes=nodes,
+            procs_per_node=procs_per_node,
+            inter_rate=inter_rate,
+            loopback=loopback,
+            timeout=timeout,
+            poll=bar.poll if bar else None,
+        )
         try:
-            results, info = run_ranks(
-                "hiersync.tools.bench_worker:worker",
-                config,
-                nodes=nodes,
-                procs_per_node=procs_per_node,
-                inter_rate=inter_rate,
-                loopback=loopback,
-                timeout=timeout,
-                poll=bar.poll if bar else None,
-            )
+            results, info = run_ranks("hiersync.tools.bench_worker:worker", config, **cluster)  # type: ignore[arg-type]
+            if config.get("memory"):
+                # In fresh ranks: after a timed sweep the allocator's state moved peaks by 50-100 MB per rank.
+                memory, _ = run_ranks("hiersync.tools.bench_worker:memory_worker", config, **cluster)  # type: ignore[arg-type]
+                for mine, mem in zip(results, memory):
+                    mine["memory"] = mem
         finally:
             if bar is not None:
                 bar.close()
@@ -485,9 +489,9 @@ def run(args: argparse.Namespace) -> int:
     for line in raw.get("torchft_options", []):
         print(line)
     if ratios:
-        print("\n" + format_peer_ratios(ratios))
+        print("\n" + format_peer_ratios(ratios) + "\n")
     if claims:
-        print("\nhiersync's claims on this testbed, checked in this run (reports, not assertions):")
+        print("hiersync's claims on this testbed, checked in this run (reports, not assertions):")
         print(format_claims(claims))
         if raw["testbed"]["mode"] != "netns":
             print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")

@@ -191,7 +191,7 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
             "cpu rows: gloo's transfers take the 2 cores that compute, which the model does not price (it assumes "
-            "communication never slows compute); the targets judge the accel rows"
+            "communication never slows compute); the claim below judges the accel rows"
         )
     return "\n".join(lines)
 

@@ -255,8 +255,13 @@ def torchft_streaming_choice(period: int) -> tuple[int, int] | None:
 
 
 def torchft_schedules(period: int, every: bool = False) -> list[str]:
-    """torchft's rows at ``sync_every=period``: LocalSGD, DiLoCo and the chosen Streaming DiLoCo
-    (``every``: each configuration torchft accepts there)."""
+    """torchft's rows at ``sync_every=period`` (``every``: each configuration torchft accepts there).
+
+    LocalSGD; DiLoCo; DiLoCo with the most overlap torchft accepts (one fragment, delay k-1:
+    the whole model's all-reduce starts k-1 steps before the step that applies it, the
+    fastest of its 7 configurations at k=4 in ``--peers torchft-all``); and Streaming DiLoCo
+    with the most fragments that still overlap a step (:func:`torchft_streaming_choice`).
+    """
     out = [f"torchft_localsgd_k{period}"]
     if every:
         out += [f"torchft_diloco_k{period}" + (f"_d{d}" if d else "") for d in range(period)]
@@ -266,6 +271,8 @@ def torchft_schedules(period: int, every: bool = False) -> list[str]:
             ]
         return out
     out.append(f"torchft_diloco_k{period}")
+    if period > 1:
+        out.append(f"torchft_diloco_k{period}_d{period - 1}")
     choice = torchft_streaming_choice(period)
     if choice is not None:
         out.append(f"torchft_streaming_k{period}_f{choice[0]}_d{choice[1]}")

@@ -342,7 +342,17 @@ def describe(specs: Sequence[ScheduleSpec], nodes: int, ranks_per_node: int) -> 
             continue
         outer = f"outer SGD lr {OUTER['outer_lr']}, momentum {OUTER['outer_momentum']}, Nesterov (torchft's examples)"
         if s.fragments == 1:
-            lines.append(f"  {s.name}: DiLoCo(one fragment, sync_every={k}, fragment_sync_delay={s.overlap}, {outer})")
+            why = ""
+            if s.overlap == k - 1 and k > 1:
+                why = (
+                    f": the most overlap torchft accepts at sync_every={k} (the whole model's all-reduce starts "
+                    f"{k - 1} steps before the step that applies it), the fastest of the configurations it "
+                    f"accepts at k=4 (--peers torchft-all); with fragment_update_alpha=0 the {k - 1} local steps "
+                    "taken meanwhile are dropped when it is applied"
+                )
+            lines.append(
+                f"  {s.name}: DiLoCo(one fragment, sync_every={k}, fragment_sync_delay={s.overlap}, {outer}){why}"
+            )
             continue
         why = ""
         if (s.fragments, s.overlap) == torchft_streaming_choice(k):
@@ -362,8 +372,9 @@ def _why_streaming(k: int) -> str:
     """Why the chosen Streaming DiLoCo configuration: what torchft refuses and accepts at ``k``."""
     f, _ = torchft_streaming_choice(k) or (0, 0)
     text = (
-        f": the most fragments torchft lets overlap a step at sync_every={k}; its step hook keeps one fragment "
-        "in flight (fragment_sync_delay < sync_every / fragments)"
+        f": the most fragments torchft lets overlap a step at sync_every={k} (with fragment_update_alpha=0 the "
+        "overlapped step is dropped for that fragment); its step hook keeps one fragment in flight "
+        "(fragment_sync_delay < sync_every / fragments)"
     )
     if k // f > 1:
         text += f", so fragments={k} with fragment_sync_delay=1 is refused"

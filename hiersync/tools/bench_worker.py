@@ -22,7 +22,7 @@ from .bench_compute import SLEPT, build_model
 from .bench_probes import LinkCounter, MemoryProbe, PhaseProbe, copy_probe, exact_rss, rss_mb
 from .bench_spec import BURN_STEPS, ScheduleSpec, memory_steps, parse_schedule, run_steps, timed_steps
 
-__all__ = ["worker", "ring_inter_bytes"]
+__all__ = ["worker", "memory_worker", "ring_inter_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,23 +102,30 @@ def worker(config: dict) -> dict:
                         # free this run's model, gradients and buffers before the next one builds its own.
                         gc.collect()
                         out["runs"][-1]["rss_mb_after"] = rss_mb()
-    if config.get("memory"):
-        out["memory"] = _memory_pass(config, _Where(intra_group, topo.nodes, progress, None))
     return out
 
 
-def _memory_pass(config: dict, where: _Where) -> list[dict]:
-    """Each schedule's peak memory on this rank, in runs of their own after the timed sweep.
+def memory_worker(config: dict) -> list[dict]:
+    """Each schedule's peak memory on this rank, in fresh ranks of their own (``--memory``).
 
-    From here on every allocation of 64 KiB or more is its own mmap (``mallopt``), so a freed
-    tensor leaves the resident set at once and the peak resident memory of a run measures the
-    memory it held (as ``benchmarks/memory.py`` does), not the allocator's reuse of earlier
-    runs' memory; that makes allocations slower, hence a pass of its own, after the timing.
-    One compute model (accel where it ran: the memory does not depend on it), the first
-    bucket size, ``warmup + 2k`` steps per schedule: every fragment's sync is launched and
-    applied at least once.
+    Every allocation of 64 KiB or more is its own mmap here (``mallopt``, before anything is
+    allocated), so a freed tensor leaves the resident set at once and the peak resident
+    memory of a run measures the memory it held (as ``benchmarks/memory.py`` does), not the
+    allocator's reuse of earlier runs' memory; that makes allocations slower, hence ranks of
+    their own, after the timed sweep. One compute model (accel where it ran: the memory does
+    not depend on it), the first bucket size, ``warmup + 2k`` steps per schedule: every
+    fragment's sync is launched and applied at least once.
     """
     exact_rss()
+    import torch.distributed as dist
+
+    import hiersync
+
+    _fix_hook_annotations()
+    topo = hiersync.Topology.detect()
+    intra_group, _ = dist.new_subgroups_by_enumeration([list(n) for n in topo.nodes])
+    progress = config.get("progress") if dist.get_rank() == 0 else None
+    where = _Where(intra_group, topo.nodes, progress, None)
     model_name = config["models"][0]
     computes = config.get("compute", ["cpu"])
     compute = "accel" if "accel" in computes and model_name == "mlp" else "cpu"
