@@ -18,6 +18,9 @@ the bench builds them (:mod:`hiersync.tools.bench_torchft`: a Lighthouse, one re
 per node, DDP over the node's ranks inside it), on the same data and seeds:
 
 * ``torchft_diloco_k4``: ``DiLoCo(sync_every=4)``, the whole model as one fragment;
+* ``torchft_diloco_k4_d3``: the same with ``fragment_sync_delay=3``, the fastest configuration
+  torchft accepts at ``sync_every=4`` in the bench (its all-reduce starts 3 steps before the
+  step that applies it; the 3 local steps taken meanwhile are dropped then);
 * ``torchft_streaming_k4``: Streaming DiLoCo, ``DiLoCo`` with 2 fragments and
   ``fragment_sync_delay=1`` (torchft refuses 4 fragments with a delay at ``sync_every=4``: it
   keeps one fragment in flight).
@@ -100,12 +103,13 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
 PLAIN_OUTER = {"lr": 1.0, "momentum": 0.0}  # the outer step of plain averaging: x = mean of the replicas
 TORCHFT: dict[str, tuple[str, int, int, int, dict[str, float]]] = {
     "torchft_diloco_k4": ("diloco", 4, 1, 0, PLAIN_OUTER),
+    "torchft_diloco_k4_d3": ("diloco", 4, 1, 3, PLAIN_OUTER),
     "torchft_streaming_k4": ("diloco", 4, 2, 1, PLAIN_OUTER),
     "torchft_diloco_k4_nesterov": ("diloco", 4, 1, 0, {"lr": 0.7, "momentum": 0.9}),
 }
 SCHEDULES.update(dict.fromkeys(TORCHFT))
 DEFAULT_SCHEDULES = ["ddp", "postlocal_k4", "hiersync_k4", "hiersync_k4_stream", "hiersync_k2_stream"]
-PEER_SCHEDULES = {"torchft": ["torchft_diloco_k4", "torchft_streaming_k4"]}
+PEER_SCHEDULES = {"torchft": ["torchft_diloco_k4", "torchft_diloco_k4_d3", "torchft_streaming_k4"]}
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
 
 

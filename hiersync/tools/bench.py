@@ -377,8 +377,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--memory",
         action="store_true",
-        help="after the timed sweep, run each schedule again to measure its peak memory per rank over DDP's "
-        "(extra MB; on with --peers)",
+        help="after the timed sweep, run each schedule again in fresh ranks to measure its peak memory per rank "
+        "over compute_only's (extra MB; on with --peers)",
     )
     g.add_argument(
         "--nonfinite",
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
         "step s: mean unsynchronized step time (slowest rank), p50/p99 of the job's per-step times "
         "(a step ends when its last rank ends it); "
         "data..opt: attributed with barriers between phases;\ninter MB/step, peak MB: mean and largest "
-        "inter-node MB one node sent per step; extra MB: a rank's peak memory over DDP's (worst rank, --memory); "
+        "inter-node MB one node sent per step; extra MB: a rank's extra peak memory (worst rank, --memory); "
         "ratios compare rows of one compute model\n"
     )
     print(format_table(rows))

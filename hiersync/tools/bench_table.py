@@ -110,11 +110,18 @@ def _bytes_note(rows: Sequence[dict]) -> str | None:
 
 
 def _memory_note(rows: Sequence[dict]) -> str | None:
-    if not any(r.get("extra_mb") is not None for r in rows):
+    over = {r.get("extra_over") for r in rows if r.get("extra_mb") is not None}
+    if not over:
         return None
+    what = {
+        "compute_only": "compute_only's (DDP with a hook that sends nothing: the model, gradients, buckets and "
+        "optimizer every row has)",
+        "ddp": "DDP's",
+    }
+    ref = " or ".join(what.get(str(o), str(o)) for o in sorted(over, key=str))
     return (
-        "extra MB: the worst rank's peak memory over its peak under DDP, measured in runs of their own after the "
-        "timed ones (every freed tensor leaves the resident set there); P = the fp32 parameters' MB"
+        f"extra MB: the worst rank's peak memory over {ref}, each measured in fresh ranks after the timed runs "
+        f"(every freed tensor leaves the resident set there); the fp32 parameters are {rows[0]['grad_mb']:.0f} MB"
     )
 
 
