@@ -1,4 +1,4 @@
-"""Peak extra memory per rank of hiersync's local-SGD modes (issue 12 item 6).
+"""Peak extra memory per rank of hiersync's local-SGD modes.
 
 Each mode runs in fresh processes on 2 emulated nodes x 2 ranks (gloo, loopback): an MLP
 of 8 layers of 1024 x 1024 (8.4M parameters, 32 MiB of fp32), DDP, 12 steps. A rank's peak resident memory

@@ -13,6 +13,22 @@ schedule; only the synchronization differs:
 * ``hiersync_k2_stream``: ``period=2, fragments=2, overlap=1`` (streaming at k=2: each step
   syncs half the model, hidden behind the next step).
 
+With ``--peers torchft`` (``pip install 'hiersync[peers]'``), torchft's rows beside them, built as
+the bench builds them (:mod:`hiersync.tools.bench_torchft`: a Lighthouse, one replica group
+per node, DDP over the node's ranks inside it), on the same data and seeds:
+
+* ``torchft_diloco_k4``: ``DiLoCo(sync_every=4)``, the whole model as one fragment;
+* ``torchft_diloco_k4_d3``: the same with ``fragment_sync_delay=3``, the fastest configuration
+  torchft accepts at ``sync_every=4`` in the bench (its all-reduce starts 3 steps before the
+  step that applies it; the 3 local steps taken meanwhile are dropped then);
+* ``torchft_streaming_k4``: Streaming DiLoCo, ``DiLoCo`` with 2 fragments and
+  ``fragment_sync_delay=1`` (torchft refuses 4 fragments with a delay at ``sync_every=4``: it
+  keeps one fragment in flight).
+
+Both use an outer SGD step of lr 1 without momentum, which makes DiLoCo's outer step plain
+parameter averaging, as in the hiersync rows beside them (``torchft_diloco_k4_nesterov``, not
+in the default run: torchft's example outer optimizer, lr 0.7, Nesterov momentum 0.9).
+
 Every ``--eval-every`` steps the ranks stop the clock, evaluate the validation loss of the
 world-mean parameters (computed aside: the trajectory is not touched) and start it again;
 the final value is measured after ``state.synchronize`` (post-local SGD: a parameter
@@ -83,7 +99,17 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "hiersync_k4_outer": dict(period=4, outer_lr=1.0, outer_momentum=0.5),
     "hiersync_k4_diloco": dict(period=4, outer_lr=0.7, outer_momentum=0.9),
 }
+# torchft's rows (--peers torchft): (algorithm, sync_every, fragments, fragment_sync_delay, outer SGD)
+PLAIN_OUTER = {"lr": 1.0, "momentum": 0.0}  # the outer step of plain averaging: x = mean of the replicas
+TORCHFT: dict[str, tuple[str, int, int, int, dict[str, float]]] = {
+    "torchft_diloco_k4": ("diloco", 4, 1, 0, PLAIN_OUTER),
+    "torchft_diloco_k4_d3": ("diloco", 4, 1, 3, PLAIN_OUTER),
+    "torchft_streaming_k4": ("diloco", 4, 2, 1, PLAIN_OUTER),
+    "torchft_diloco_k4_nesterov": ("diloco", 4, 1, 0, {"lr": 0.7, "momentum": 0.9}),
+}
+SCHEDULES.update(dict.fromkeys(TORCHFT))
 DEFAULT_SCHEDULES = ["ddp", "postlocal_k4", "hiersync_k4", "hiersync_k4_stream", "hiersync_k2_stream"]
+PEER_SCHEDULES = {"torchft": ["torchft_diloco_k4", "torchft_diloco_k4_d3", "torchft_streaming_k4"]}
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
 
 
@@ -115,18 +141,30 @@ def worker(args: argparse.Namespace) -> None:
     train, val = _lm.load_text(args.text_mb)
     model = _lm.GPT(args).to(device)
     probe = copy.deepcopy(model)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state, averager, peer, name = None, None, None, args.schedule
+    nodes = hiersync.Topology.detect().nodes
+    intra = None
+    if name.startswith(("postlocal", "torchft")):
+        intra, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
+    # torchft: DDP inside the node (its replica group); everything else: DDP over the world
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=intra if name in TORCHFT else None,
+    )
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lm.lr_at(s, args))
-    state, averager, name = None, None, args.schedule
-    if name == "compute_only":
+    if name in TORCHFT:
+        from hiersync.tools.bench_torchft import attach
+
+        algorithm, period, fragments, delay, outer = TORCHFT[name]
+        peer = attach(algorithm, period, fragments, delay, model, opt, intra, nodes, outer=outer)
+    elif name == "compute_only":
         ddp.register_comm_hook(None, _noop_hook)
     elif name.startswith("postlocal_k4"):
         from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-        nodes = hiersync.Topology.detect().nodes
-        intra, _ = dist.new_subgroups_by_enumeration([list(n) for n in nodes])
         ddp.register_comm_hook(PostLocalSGDState(None, intra, start_localSGD_iter=0), post_localSGD_hook)
         averager = PeriodicModelAverager(period=4, warmup_steps=3 if name.endswith("aligned") else 0)
     elif SCHEDULES.get(name) is not None:
@@ -171,7 +209,9 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     if state is not None:
         state.synchronize(ddp)
-    elif averager is not None:
+    elif averager is not None or peer is not None:
+        if peer is not None:
+            peer.drain()  # a fragment still in flight
         _world_mean_into(model, model)
     dist.barrier()
     wall += time.perf_counter() - t0
@@ -183,6 +223,8 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(out))
     if state is not None:
         state.close()
+    if peer is not None:
+        peer.close()
     dist.destroy_process_group()
 
 
@@ -422,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the compute-only and DDP probes")
     p.add_argument("--plan-args", default=PLAN_ARGS, help="the real setting whose DDP exposed fraction to match")
     p.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(SCHEDULES))
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        default=[],
+        choices=list(PEER_SCHEDULES),
+        help="add other libraries' rows: torchft (its DiLoCo and Streaming DiLoCo at k=4; "
+        "pip install 'hiersync[peers]')",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="per testbed launch, seconds")
     a, rest = p.parse_known_args(argv)
     if a.worker:
@@ -430,6 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     a.lm_args = rest  # any examples/_lm.py flag: --batch-size, --dim, --layers, --lr, ...
+    for peer in a.peers:
+        a.schedules = list(dict.fromkeys(a.schedules + PEER_SCHEDULES[peer]))
+    if any(n in TORCHFT for n in a.schedules):
+        from hiersync.tools.bench_torchft import require_torchft
+
+        require_torchft()  # ImportError naming the extra, before any run
     if _lm.parser("check").parse_args(rest).seed != 0:
         p.error("pass seeds with --seeds (every schedule runs each), not --seed")
 

@@ -11,6 +11,7 @@ Every *schedule* trains the same model with the same data on the same cluster in
 ``hiersync_p<k>[_overlap][_bf16]``  hiersync, period k, optionally overlapped / bf16 deltas
 ``hiersync_p<k>_stream[<F>][_tau<t>][_bf16]``  streaming: F fragments (default k) staggered over the
                               period, each applied t steps after launch (default 1)
+``torchft_*``                 torchft's LocalSGD, DiLoCo, Streaming DiLoCo (``--peers torchft``)
 ``intra_only``                intra-node all-reduce only, never across nodes (reference)
 ``compute_only``              a hook that communicates nothing (reference: compute floor)
 ============================  ==============================================================
@@ -24,38 +25,43 @@ ratio compares rows of one compute model:
   forward sleeps ``--accel-layer-ms`` (default 25 ms) and its backward twice that, with the
   CPU idle as a host is while its GPU computes, then produces real gradients of the
   same shapes with O(width^2) memory-bound work. Default: 4 layers x 75 ms = 0.3 s per
-  step, the CPU model's compute time on this 2-core testbed (compute_only: 0.07 s forward
-  + 0.22 s backward), so both models move the same bytes behind the same compute time.
+  step, the CPU model's compute time on this 2-core testbed, so both models move the
+  same bytes behind the same compute time.
 
-Each (model, compute model, schedule, bucket size) runs ``warmup`` steps, then ``steps`` *attributed*
-steps with a barrier between phases -- data, forward, backward, communication wait,
-optimizer -- then one untimed free-running step, and then
-``steps`` *unsynchronized* steps whose wall time is the step time the ratios use (overlap
-only shows there). ``steps`` is rounded up to a multiple of ``k``.
-*Communication wait* is the exposed part: the time ``backward()`` keeps running after the
-slowest rank's last gradient was accumulated, plus the time spent after the optimizer's own
-update (hiersync's post-step sync, the model averager). Per row the table gives the mean
-step time and the p50/p99 of the job's per-step durations (a step ends when its last rank
-ends it: :func:`.report.step_durations`), and the mean and peak
-inter-node MB a rank sent per step (hiersync's counters; a ring model for DDP, post-local
-SGD and the bf16 hook). The targets of issues 5 and 12 are printed as PASS/FAIL lines:
-reports, never a failed command. Then the cost model's prediction of each row's exposed
+Each (model, compute model, schedule, bucket size) runs ``warmup`` steps, then ``steps``
+*attributed* steps with a barrier between phases -- data, forward, backward, communication
+wait, optimizer -- then one untimed free-running step, and then ``steps`` *unsynchronized*
+steps whose wall time is the step time the ratios use (overlap only shows there). ``steps``
+is rounded up to a multiple of ``k``. *Communication wait* is the exposed part: the time
+``backward()`` keeps running after the slowest rank's last gradient was accumulated, plus the
+time spent after the optimizer's own update (hiersync's or torchft's post-step sync, the
+model averager). Per row the table gives the mean step time and the p50/p99 of the job's
+per-step durations (a step ends when its last rank ends it: :func:`.bench_rows.step_durations`),
+the mean and peak inter-node MB a node sent per step (on the testbed counted on each node's
+link, the same way for every row; on loopback hiersync's counters or a ring model), and the
+extra peak memory per rank over DDP's. The claims hiersync makes are checked as PASS/FAIL
+lines (reports, never a failed command), and with ``--peers torchft`` the ratios of hiersync's
+streaming rows to each torchft row. Then the cost model's prediction of each row's exposed
 time, given the run's own measured compute, beside the measurement (:mod:`.bench_model`;
-``--profile`` picks the link profile), with issue 13's 20% target per after-step mode.
+``--profile`` picks the link profile).
 
 The default runs in about three minutes on a 2-core machine: the emulated 2x2 cluster
 (800 Mbit/s between nodes), a 25M-parameter MLP (100 MB of fp32 gradients), 25 MB
-buckets, both compute models and the schedules the targets name. ``--full`` sweeps everything.
+buckets, both compute models and the schedules the claims name. ``--peers torchft`` adds
+torchft's rows (pip install 'hiersync[peers]'); ``--full`` sweeps everything.
 
 Example::
 
-    $ sudo python -m hiersync bench                       # default comparison, ~2 min
+    $ sudo python -m hiersync bench                       # default comparison, ~3 min
+    $ sudo python -m hiersync bench --peers torchft       # with torchft's rows beside hiersync's
     $ sudo python -m hiersync bench --full --results results/full
     $ python -m hiersync bench --loopback --mlp-params 1M --steps 2 --warmup 1
 
-Modules: :mod:`.bench_spec` (schedule names), :mod:`.bench_worker` (what each rank runs),
-:mod:`.report` (tables, targets, plots, files), :mod:`.bench_model` (the cost model beside
-it), this one (the sweep and the command).
+Modules: :mod:`.bench_spec` (schedule names), :mod:`.bench_worker` (what each rank runs, with
+:mod:`.bench_compute`, :mod:`.bench_probes` and :mod:`.bench_torchft`), :mod:`.bench_rows`
+(rows), :mod:`.bench_table`, :mod:`.bench_claims`, :mod:`.bench_plots` and :mod:`.report`
+(what is printed and written), :mod:`.bench_model` (the cost model beside it), this one
+(the sweep and the command).
 """
 
 from __future__ import annotations
@@ -71,21 +77,28 @@ from pathlib import Path
 
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
+from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
+from .bench_rows import summarize
 from .bench_spec import (
     COMPUTE_MODELS,
     FULL_PERIODS,
     GRAMMAR,
+    PEERS,
+    TORCHFT_GRAMMAR,
     ScheduleSpec,
     default_schedules,
     full_schedules,
+    memory_steps,
     parse_compute,
     parse_schedule,
     run_steps,
     timed_steps,
+    with_peers,
 )
+from .bench_table import format_table
 from .netns import DEFAULT_RATE
-from .report import check_targets, format_table, format_targets, summarize, write_outputs
+from .report import write_outputs
 
 __all__ = [
     "ScheduleSpec",
@@ -94,11 +107,6 @@ __all__ = [
     "full_schedules",
     "run_bench",
     "timed_steps",
-    "summarize",
-    "check_targets",
-    "write_outputs",
-    "format_table",
-    "format_targets",
     "make_config",
     "command_line",
     "add_arguments",
@@ -179,23 +187,29 @@ def run_bench(
         * len(config["buckets_mb"])
         * int(config.get("repeat", 1))
     )
+    if config.get("memory"):
+        total += sum(memory_steps(s, int(config["warmup"])) for s in specs)
     with tempfile.TemporaryDirectory(prefix="hiersync-bench-") as tmp:
         prog_path = Path(tmp) / "progress"
         config = {**config, "progress": str(prog_path)}
         bar = _ProgressFile(prog_path, total) if progress else None
         load_before = os.getloadavg()[0]
         start = time.monotonic()
+        cluster = dict(
+            nodes=nodes,
+            procs_per_node=procs_per_node,
+            inter_rate=inter_rate,
+            loopback=loopback,
+            timeout=timeout,
+            poll=bar.poll if bar else None,
+        )
         try:
-            results, info = run_ranks(
-                "hiersync.tools.bench_worker:worker",
-                config,
-                nodes=nodes,
-                procs_per_node=procs_per_node,
-                inter_rate=inter_rate,
-                loopback=loopback,
-                timeout=timeout,
-                poll=bar.poll if bar else None,
-            )
+            results, info = run_ranks("hiersync.tools.bench_worker:worker", config, **cluster)  # type: ignore[arg-type]
+            if config.get("memory"):
+                # In fresh ranks: after a timed sweep the allocator's state moved peaks by 50-100 MB per rank.
+                memory, _ = run_ranks("hiersync.tools.bench_worker:memory_worker", config, **cluster)  # type: ignore[arg-type]
+                for mine, mem in zip(results, memory):
+                    mine["memory"] = mem
         finally:
             if bar is not None:
                 bar.close()
@@ -238,8 +252,13 @@ def make_config(args: argparse.Namespace) -> dict:
         schedules = full_schedules(args.periods or FULL_PERIODS)
     else:
         schedules = default_schedules()
+    peers = [x.strip() for x in (args.peers or "").split(",") if x.strip()]
+    schedules = with_peers(schedules, peers, period=4)
     for s in schedules:
-        parse_schedule(s)
+        if parse_schedule(s).kind == "torchft":
+            from .bench_torchft import require_torchft
+
+            require_torchft()  # ImportError naming the extra, before any rank starts
     if args.buckets:
         buckets = [float(b) for b in args.buckets.split(",")]
     else:
@@ -287,6 +306,9 @@ def make_config(args: argparse.Namespace) -> dict:
         "lr": 1e-3,
         "seed": args.seed,
         "hiersync_options": {"nonfinite": args.nonfinite},
+        "pg_timeout": 120.0,
+        # the memory pass: on with --memory, and with --peers (the comparison is about memory too)
+        "memory": bool(args.memory or peers),
     }
 
 
@@ -301,7 +323,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedules",
         default=None,
         help="comma-separated schedule names: ddp, postlocal_k<k>, bf16_hook, intra_only, compute_only, "
-        f"{GRAMMAR} (default: the targets' k=4 set)",
+        f"{GRAMMAR}, {TORCHFT_GRAMMAR} (default: the claims' k=4 set)",
+    )
+    g.add_argument(
+        "--peers",
+        default=None,
+        help=f"add other libraries' rows at k=4: {', '.join(PEERS)} (torchft's LocalSGD, DiLoCo and Streaming "
+        "DiLoCo, plus hiersync streaming with DiLoCo's outer optimizer; torchft-all: every configuration torchft "
+        "accepts). Needs pip install 'hiersync[peers]'",
     )
     g.add_argument(
         "--compute",
@@ -346,6 +375,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
+        "--memory",
+        action="store_true",
+        help="after the timed sweep, run each schedule again in fresh ranks to measure its peak memory per rank "
+        "over compute_only's (extra MB; on with --peers)",
+    )
+    g.add_argument(
         "--nonfinite",
         choices=NONFINITE_MODES,
         default="skip",
@@ -388,7 +423,11 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = make_config(args)
+    try:
+        config = make_config(args)
+    except ImportError as e:
+        logger.error("bench: %s", e)
+        return 2
     from hiersync._launch import RankFailed
 
     from .testbed import TestbedError
@@ -423,8 +462,16 @@ def run(args: argparse.Namespace) -> int:
         )
     model_checks = model_targets(entries)
     raw["model"] = {"source": source, "entries": entries, "targets": model_checks}
+    if any(parse_schedule(s).kind == "torchft" for s in config["schedules"]):
+        from .bench_torchft import describe
+
+        specs = [parse_schedule(s) for s in config["schedules"]]
+        raw["torchft_options"] = describe(specs, args.nodes, args.procs_per_node)
+    claims = check_claims(rows)
+    raw["claims"] = claims
+    ratios = peer_ratios(rows)
+    raw["peer_ratios"] = ratios
     paths = write_outputs(args.results, raw, rows, plots=not args.no_plots)
-    targets = check_targets(rows)
     # The CLI's final output: the comparison table.
     env = raw["environment"]
     print(
@@ -435,12 +482,17 @@ def run(args: argparse.Namespace) -> int:
         "step s: mean unsynchronized step time (slowest rank), p50/p99 of the job's per-step times "
         "(a step ends when its last rank ends it); "
         "data..opt: attributed with barriers between phases;\ninter MB/step, peak MB: mean and largest "
-        "inter-node MB a rank sent per timed step; ratios compare rows of one compute model\n"
+        "inter-node MB one node sent per step; extra MB: a rank's extra peak memory (worst rank, --memory); "
+        "ratios compare rows of one compute model\n"
     )
     print(format_table(rows))
-    if targets:
-        print("targets (reports, not assertions):")
-        print(format_targets(targets))
+    for line in raw.get("torchft_options", []):
+        print(line)
+    if ratios:
+        print("\n" + format_peer_ratios(ratios) + "\n")
+    if claims:
+        print("hiersync's claims on this testbed, checked in this run (reports, not assertions):")
+        print(format_claims(claims))
         if raw["testbed"]["mode"] != "netns":
             print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")
     print()

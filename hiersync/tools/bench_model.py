@@ -17,7 +17,7 @@ predicts every row the model knows:
   ``_overlap``, ``_stream``, ``_bf16``): *exposed sync*, the row's step minus
   ``intra_only``'s, the time the inter-node average adds to a local step.
 
-Issue 13's target is that every after-step mode's exposed sync is predicted within 20%,
+The claim checked is that the model predicts every after-step mode's exposed sync within 20%,
 judged on accelerator-like compute (with real CPU compute on this 2-core box gloo's
 transfers take the compute's cores, which the model does not price; the table still shows
 those rows, marked). Pure: no process group, no torch.distributed.
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 EXPOSED_TOLERANCE = 0.20
-"""Issue 13: predicted exposed sync time within 20% of the bench's."""
+"""The claim: predicted exposed sync time within 20% of the bench's."""
 MIN_WINDOWS = 4
 """k-step windows a row needs for the bench's noise to be stated (the default run has 1-2)."""
 MiB = 2**20
@@ -191,13 +191,13 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
             "cpu rows: gloo's transfers take the 2 cores that compute, which the model does not price (it assumes "
-            "communication never slows compute); the targets judge the accel rows"
+            "communication never slows compute); the claim below judges the accel rows"
         )
     return "\n".join(lines)
 
 
 def model_targets(entries: Sequence[dict], tolerance: float = EXPOSED_TOLERANCE) -> list[dict]:
-    """Issue 13: each after-step hiersync mode's exposed sync within ``tolerance``, on accel compute."""
+    """The cost model's claim: each after-step hiersync mode's exposed sync within ``tolerance``, on accel compute."""
     out = []
     for e in entries:
         if not e["after_step"] or e["compute"] != "accel":
@@ -211,8 +211,8 @@ def format_model_targets(targets: Sequence[dict]) -> str:
     lines = []
     for t in targets:
         what = (
-            f"model's exposed sync of {t['schedule']} within {t['tolerance']:.0%} of the bench "
-            f"[issue 13, {t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
+            f"cost model predicts {t['schedule']}'s exposed sync within {t['tolerance']:.0%} "
+            f"[{t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
         )
         pred, meas = t["predicted_s"] * 1e3, t["measured_s"] * 1e3
         if t["met"] is None:

@@ -2,17 +2,28 @@
 
 Grammar of the hiersync schedules::
 
-    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16]
+    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16][_outer]
 
 * ``hiersync_p<k>``: period k, the inter-node average runs blocking after ``optimizer.step()``;
 * ``_overlap``: the whole model's average is launched there and applied one step later
   (``overlap=True``, needs k >= 2);
 * ``_stream``: streaming, ``fragments=F`` (default ``F = k``) staggered over the period, each
   applied ``t`` steps after its launch (``overlap=t``, default 1, ``1 <= t <= k - 1``);
-* ``_bf16``: 16-bit deltas on the inter-node leg (``compress="bf16"``).
+* ``_bf16``: 16-bit deltas on the inter-node leg (``compress="bf16"``);
+* ``_outer``: DiLoCo's outer Nesterov step on the averaged pseudo-gradient
+  (``outer_lr=0.7, outer_momentum=0.9``, the values torchft's DiLoCo examples use).
 
 ``hiersync_p4_stream`` is ``HierState(period=4, fragments=4, overlap=1)``,
 ``hiersync_p8_stream4_tau2_bf16`` is ``HierState(period=8, fragments=4, overlap=2, compress="bf16")``.
+
+torchft's algorithms (``--peers torchft``; :mod:`hiersync.tools.bench_torchft` builds them)::
+
+    torchft_localsgd_k<k>                  LocalSGD(sync_every=k)
+    torchft_diloco_k<k>[_d<d>]             DiLoCo, the whole model as one fragment
+    torchft_streaming_k<k>_f<F>[_d<d>]     Streaming DiLoCo: DiLoCo with F >= 2 fragments
+
+``_d<d>`` is torchft's ``fragment_sync_delay`` (default 0): a fragment's all-reduce starts d
+steps before the step that applies it.
 """
 
 from __future__ import annotations
@@ -30,21 +41,36 @@ __all__ = [
     "full_schedules",
     "timed_steps",
     "run_steps",
+    "memory_steps",
     "BURN_STEPS",
     "parse_compute",
     "NEVER",
     "FULL_PERIODS",
     "COMPUTE_MODELS",
     "GRAMMAR",
+    "TORCHFT_GRAMMAR",
+    "OUTER",
+    "PEERS",
+    "torchft_accepts",
+    "torchft_streaming_choice",
+    "torchft_schedules",
+    "with_peers",
 ]
 
 FULL_PERIODS = (2, 4, 8)
 NEVER = 10**9  # a period no run reaches: intra-node averaging only
 COMPUTE_MODELS = ("cpu", "accel")
 """``cpu``: real CPU compute; ``accel``: layers that sleep a set time with the CPU idle (a device's kernels)."""
-GRAMMAR = "hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][_bf16]"
+GRAMMAR = "hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][_bf16][_outer]"
+TORCHFT_GRAMMAR = "torchft_localsgd_k<k>, torchft_diloco_k<k>[_d<d>], torchft_streaming_k<k>_f<F>[_d<d>]"
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
+"""The outer optimizer of ``_outer`` rows and of torchft's DiLoCo rows (torchft's examples: SGD lr 0.7,
+momentum 0.9, Nesterov)."""
 
-_SCHEDULE_RE = re.compile(r"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(_bf16)?$")
+_SCHEDULE_RE = re.compile(r"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(_bf16)?(_outer)?$")
+_TORCHFT_RE = re.compile(
+    r"^torchft_(?:(localsgd)_k(\d+)|(diloco)_k(\d+)(?:_d(\d+))?|(streaming)_k(\d+)_f(\d+)(?:_d(\d+))?)$"
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +79,7 @@ class ScheduleSpec:
 
     name: str
     kind: str
-    """``ddp``, ``postlocal``, ``bf16_hook``, ``hiersync``, ``intra_only`` or ``compute_only``."""
+    """``ddp``, ``postlocal``, ``bf16_hook``, ``hiersync``, ``torchft``, ``intra_only`` or ``compute_only``."""
     period: int = 1
     overlap: int = 0
     """Steps after its launch that an inter-node average is applied (0: blocking)."""
@@ -62,6 +88,10 @@ class ScheduleSpec:
     """Streaming fragments (1: the whole model at once)."""
     stream: bool = False
     """Built with the streaming API (``fragments=F, overlap=tau``), not the ``overlap=True`` flag."""
+    outer: bool = False
+    """An outer optimizer (:data:`OUTER`) on the averaged pseudo-gradient."""
+    algorithm: str | None = None
+    """torchft rows: ``localsgd`` or ``diloco`` (Streaming DiLoCo is ``diloco`` with fragments > 1)."""
 
     def hiersync_options(self) -> dict[str, Any]:
         """The keyword arguments of ``hiersync.register`` / ``HierState`` this schedule uses."""
@@ -70,6 +100,8 @@ class ScheduleSpec:
             opts.update(fragments=self.fragments, overlap=self.overlap)
         else:
             opts["overlap"] = bool(self.overlap)
+        if self.outer:
+            opts.update(OUTER)
         return opts
 
 
@@ -80,15 +112,19 @@ def parse_schedule(name: str) -> ScheduleSpec:
     m = re.match(r"^postlocal_k(\d+)$", name)
     if m and int(m.group(1)) >= 1:
         return ScheduleSpec(name, "postlocal", period=int(m.group(1)))
+    m = _TORCHFT_RE.match(name)
+    if m:
+        return _torchft_spec(name, m)
     m = _SCHEDULE_RE.match(name)
     if m and int(m.group(1)) >= 1:
         period = int(m.group(1))
-        overlap_flag, stream, frag, tau, bf16 = m.group(2, 3, 4, 5, 6)
+        overlap_flag, stream, frag, tau, bf16, outer_flag = m.group(2, 3, 4, 5, 6, 7)
         compress = "bf16" if bf16 else None
+        outer = bool(outer_flag)
         if overlap_flag:
             if period < 2:
                 raise ValueError(f"schedule {name!r}: overlap needs period >= 2")
-            return ScheduleSpec(name, "hiersync", period=period, overlap=1, compress=compress)
+            return ScheduleSpec(name, "hiersync", period=period, overlap=1, compress=compress, outer=outer)
         if stream:
             fragments = int(frag) if frag else period
             overlap = int(tau) if tau else 1
@@ -99,11 +135,43 @@ def parse_schedule(name: str) -> ScheduleSpec:
             if not 1 <= overlap <= period - 1:
                 raise ValueError(f"schedule {name!r}: tau must be in 1..{period - 1} (period {period})")
             return ScheduleSpec(
-                name, "hiersync", period=period, overlap=overlap, compress=compress, fragments=fragments, stream=True
+                name,
+                "hiersync",
+                period=period,
+                overlap=overlap,
+                compress=compress,
+                fragments=fragments,
+                stream=True,
+                outer=outer,
             )
-        return ScheduleSpec(name, "hiersync", period=period, compress=compress)
+        return ScheduleSpec(name, "hiersync", period=period, compress=compress, outer=outer)
     raise ValueError(
-        f"schedule {name!r} is not known; use ddp, bf16_hook, intra_only, compute_only, postlocal_k<k>, {GRAMMAR}"
+        f"schedule {name!r} is not known; use ddp, bf16_hook, intra_only, compute_only, postlocal_k<k>, {GRAMMAR}, "
+        f"{TORCHFT_GRAMMAR}"
+    )
+
+
+def _torchft_spec(name: str, m: re.Match) -> ScheduleSpec:
+    """A torchft row; the limits torchft itself sets are checked where it is built (it says why)."""
+    local_k, diloco_k, diloco_d, stream_k, stream_f, stream_d = m.group(2, 4, 5, 7, 8, 9)
+    if local_k is not None:
+        period, fragments, delay, algorithm = int(local_k), 1, 0, "localsgd"
+    elif diloco_k is not None:
+        period, fragments, delay, algorithm = int(diloco_k), 1, int(diloco_d or 0), "diloco"
+    else:
+        period, fragments, delay, algorithm = int(stream_k), int(stream_f), int(stream_d or 0), "diloco"
+        if fragments < 2:
+            raise ValueError(f"schedule {name!r}: streaming needs fragments >= 2 (torchft_diloco_k<k> is one fragment)")
+    if period < 1:
+        raise ValueError(f"schedule {name!r}: sync_every must be >= 1")
+    return ScheduleSpec(
+        name,
+        "torchft",
+        period=period,
+        overlap=delay,
+        fragments=fragments,
+        outer=algorithm == "diloco",
+        algorithm=algorithm,
     )
 
 
@@ -117,18 +185,17 @@ def parse_compute(text: str) -> list[str]:
 
 
 def default_schedules() -> list[str]:
-    """What the targets compare, at k=4, plus the two references (x2 compute models: ~20 runs).
+    """What the claims compare, at k=4, plus the two references (x2 compute models: 16 runs).
 
-    ``hiersync_p4_overlap_bf16`` (in :func:`full_schedules`) left the default when the
-    streaming rows joined it, to keep the default run near its time budget.
+    PyTorch's ``bf16_hook`` and hiersync's whole-model ``_overlap`` rows (which streaming
+    supersedes) are in :func:`full_schedules`, left out here to keep the default run near three
+    minutes.
     """
     return [
         "ddp",
         "postlocal_k4",
-        "bf16_hook",
         "hiersync_p1",
         "hiersync_p4",
-        "hiersync_p4_overlap",
         "hiersync_p4_stream",
         "hiersync_p4_stream_bf16",
         "intra_only",
@@ -152,9 +219,89 @@ def full_schedules(periods: Sequence[int] = FULL_PERIODS) -> list[str]:
     return out + ["intra_only", "compute_only"]
 
 
+def torchft_accepts(period: int, fragments: int, delay: int) -> str | None:
+    """Why torchft 0.2.0's ``DiLoCo`` refuses ``(sync_every, fragments, fragment_sync_delay)``, or None.
+
+    Its constructor's own rules (``torchft/local_sgd.py``): every fragment syncs once per
+    ``sync_every`` steps, one fragment per ``sync_every / fragments`` steps, and its step hook
+    keeps at most one fragment in flight, so a fragment's all-reduce must finish before the
+    next one starts. :func:`hiersync.tools.bench_torchft.refusal` asks torchft itself.
+    """
+    if period < fragments:
+        return f"sync_every={period} < fragments={fragments}: only 1 fragment can be synchronized at a time"
+    if period % fragments:
+        return f"fragments={fragments} does not divide sync_every={period}"
+    if delay >= period // fragments:
+        return (
+            f"fragment_sync_delay={delay} >= sync_every / fragments = {period // fragments}: "
+            "a fragment must be synced before the next one is reduced (one fragment in flight)"
+        )
+    return None
+
+
+def torchft_streaming_choice(period: int) -> tuple[int, int] | None:
+    """The Streaming DiLoCo ``(fragments, fragment_sync_delay)`` the bench runs at ``sync_every=period``.
+
+    The most fragments that torchft still lets overlap a step (delay >= 1 needs
+    ``sync_every / fragments >= 2``), with delay 1 as hiersync's ``tau=1``: at k=4 that is 2
+    fragments (4 fragments are accepted with delay 0 only: a blocking quarter every step).
+    Where none overlaps (k < 4), the most fragments with delay 0; None at k = 1.
+    """
+    for delay in (1, 0):
+        fits = [f for f in range(2, period + 1) if torchft_accepts(period, f, delay) is None]
+        if fits:
+            return max(fits), delay
+    return None
+
+
+def torchft_schedules(period: int, every: bool = False) -> list[str]:
+    """torchft's rows at ``sync_every=period`` (``every``: each configuration torchft accepts there).
+
+    LocalSGD; DiLoCo; DiLoCo with the most overlap torchft accepts (one fragment, delay k-1:
+    the whole model's all-reduce starts k-1 steps before the step that applies it, the
+    fastest of its 7 configurations at k=4 in ``--peers torchft-all``); and Streaming DiLoCo
+    with the most fragments that still overlap a step (:func:`torchft_streaming_choice`).
+    """
+    out = [f"torchft_localsgd_k{period}"]
+    if every:
+        out += [f"torchft_diloco_k{period}" + (f"_d{d}" if d else "") for d in range(period)]
+        for f in range(2, period + 1):
+            out += [
+                f"torchft_streaming_k{period}_f{f}_d{d}" for d in range(period) if torchft_accepts(period, f, d) is None
+            ]
+        return out
+    out.append(f"torchft_diloco_k{period}")
+    if period > 1:
+        out.append(f"torchft_diloco_k{period}_d{period - 1}")
+    choice = torchft_streaming_choice(period)
+    if choice is not None:
+        out.append(f"torchft_streaming_k{period}_f{choice[0]}_d{choice[1]}")
+    return out
+
+
+def with_peers(schedules: Sequence[str], peers: Sequence[str], period: int = 4) -> list[str]:
+    """``schedules`` with the peers' rows (``"torchft"`` or ``"torchft-all"``) before the references.
+
+    With torchft comes ``hiersync_p<k>_stream_outer`` too: hiersync's streaming with the outer
+    optimizer torchft's DiLoCo rows use, so each DiLoCo row has a like-for-like hiersync row.
+    """
+    extra: list[str] = []
+    for peer in peers:
+        if peer not in PEERS:
+            raise ValueError(f"--peers: {peer!r} is not known; use {', '.join(PEERS)}")
+        extra += [f"hiersync_p{period}_stream_outer", *torchft_schedules(period, every=peer == "torchft-all")]
+    refs = [s for s in schedules if s in ("intra_only", "compute_only")]
+    rest = [s for s in schedules if s not in refs]
+    return list(dict.fromkeys(rest + extra + refs))
+
+
+PEERS = ("torchft", "torchft-all")
+"""``--peers``: torchft's LocalSGD, DiLoCo and chosen Streaming DiLoCo; or every configuration it accepts."""
+
+
 def timed_steps(spec: ScheduleSpec, steps: int) -> int:
     """``steps`` rounded up to a multiple of the period, so every window holds the same syncs."""
-    k = spec.period if spec.kind in ("hiersync", "postlocal") and spec.period < NEVER else 1
+    k = spec.period if spec.kind in ("hiersync", "postlocal", "torchft") and spec.period < NEVER else 1
     return max(k, int(math.ceil(steps / k)) * k)
 
 
@@ -165,3 +312,8 @@ BURN_STEPS = 1
 def run_steps(spec: ScheduleSpec, warmup: int, steps: int) -> int:
     """Every step one bench run of ``spec`` takes: warmup, attributed, burnt and timed steps."""
     return warmup + 2 * timed_steps(spec, steps) + BURN_STEPS
+
+
+def memory_steps(spec: ScheduleSpec, warmup: int) -> int:
+    """Steps of ``spec``'s run in the memory pass: warmup and two periods (every fragment launched and applied)."""
+    return warmup + 2 * timed_steps(spec, 1)
