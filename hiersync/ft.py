@@ -357,9 +357,8 @@ class FaultTolerantState(HierState):
         self._exact_window = None
         self._healed = True
         self.stats.heals += 1  # type: ignore[attr-defined]
-        logger.warning(
-            "hiersync: rank %d was recovered from a live peer; it resumes at %s", self.rank, self._marker.describe()
-        )
+        log = logger.info if self._marker.kind == "start" else logger.warning  # torchft's init_sync heals at start
+        log("hiersync: rank %d was recovered from a live peer; it resumes at %s", self.rank, self._marker.describe())
 
     # ------------------------------------------------------------------ the step
     def _begin_step(self) -> StepKind:

@@ -85,3 +85,125 @@ def test_node_killed_at_local_step_survivors_go_on_and_it_rejoins(tmp_path):
     step, params = _first_sync_of_joiner(joiner, Schedule(period=2))
     for n in (0, 1):
         torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"joiner vs node {n}")
+
+
+def test_node_killed_with_sync_in_flight(tmp_path):
+    """Node 2 dies right after joining the quorum of an overlapped sync (outer Nesterov step): the
+    survivors drop that sync (correction never applied, anchor and momentum restored) and go on."""
+    opts = {"period": 4, "overlap": 1, "outer_lr": 0.7, "outer_momentum": 0.9}
+    kill = {"node": 2, "step": 4, "how": "in_flight"}  # dies in the sync after step 7
+    cfg = _cfg(tmp_path, 3, steps=16, options=opts, kill=kill)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s <= 7 else [0, 1], dropped={7})
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+        stats = out[n][0]["stats"]
+        assert stats["failed_syncs"] == 1 and stats["sync_participants"] == 2
+
+
+def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
+    """Node 2 freezes (SIGSTOP) inside a sync: the survivors wait for the rail's timeout, drop that
+    sync and finish without it; their parameters follow 2-node local SGD."""
+    timeout_s = 3.0
+    kill = {"node": 2, "step": 4, "how": "freeze_in_flight"}  # freezes in the sync after step 5
+    cfg = _cfg(tmp_path, 3, steps=12, options={"period": 2}, kill=kill, timeout_s=timeout_s)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+        times = [t for t, s, _ in nodes.steps(0) if s in (4, 5)]
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s <= 5 else [0, 1], dropped={5})
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+    gap = times[1] - times[0]  # step 5 (and its sync) completes once the frozen sync timed out
+    assert timeout_s * 0.8 <= gap <= timeout_s + 5.0, gap
+
+
+def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path):
+    """2 nodes x 2 ranks: node 1 dies at a local step, node 0 trains on alone (its own local steps),
+    node 1 restarted joins, is healed rank by rank and equals node 0 after its first sync."""
+    from hiersync.schedule import Schedule
+
+    kill_at = 6
+    cfg = _cfg(
+        tmp_path, 2, steps=36, step_sleep=0.05, options={"period": 4}, kill={"node": 1, "step": kill_at, "how": "local"}
+    )
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=2) as nodes:
+        for n in range(2):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, kill_at + 2, timeout=60)
+        nodes.start(1, ft_ranks.train, (dict(cfg, start_barrier=None, kill={}),))
+        out = nodes.wait([0, 1], timeout=120)
+    joiner = out[1]
+    assert joiner[0]["first"] > kill_at and joiner[0]["stats"]["heals"] >= 1
+    ref = ft_ranks.reference(cfg, 2, 2, lambda s: [0, 1] if s < kill_at else [0])
+    got = [_by_step(r) for r in out[0]]
+    for s in range(joiner[0]["first"] - 1):
+        for r in range(2):
+            torch.testing.assert_close(got[r][s], ref[0][s], **TOL, msg=f"node 0 rank {r} step {s}")
+    step, params = _first_sync_of_joiner(joiner[0], Schedule(period=4))
+    _, params1 = _first_sync_of_joiner(joiner[1], Schedule(period=4))
+    torch.testing.assert_close(params, params1, rtol=0, atol=0)  # the node's ranks agree bit for bit
+    torch.testing.assert_close(params, got[0][step], **TOL)
+
+
+def test_unreachable_lighthouse_is_a_clear_error(tmp_path):
+    """The Lighthouse is gone when a node asks for its first quorum: hiersync says what to check."""
+    flag = tmp_path / "lighthouse-down"
+    cfg = _cfg(tmp_path, 1, register_after=str(flag), start_barrier=None, quorum_timeout_s=3.0)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        nodes.start(0, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, -1, timeout=60)
+        lh.shutdown()
+        flag.touch()
+        out = nodes.wait([0], timeout=60)
+    err = out[0][0]["error"]
+    assert err is not None and "could not form a quorum" in err and "Lighthouse" in err, err
+
+
+OPTIONS = {
+    # warmup (exact steps over the quorum), streaming, overlap, 16-bit deltas, outer Nesterov, a checkpoint
+    # round trip with a sync in flight, Adam; 2 nodes x 2 ranks
+    "2x2-warmup-fragments-bf16-outer": (
+        2,
+        {
+            "period": 4,
+            "warmup_steps": 2,
+            "fragments": 2,
+            "overlap": 1,
+            "compress": "bf16",
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        },
+        {"adam": True, "checkpoint_at": 7},
+    ),
+    # several fragments in flight at once (overlap 3 > period / fragments), fp16; 2 nodes x 1 rank
+    "2x1-overlap3-fragments4-fp16": (1, {"period": 4, "fragments": 4, "overlap": 3, "compress": "fp16"}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_options_match_the_plain_mode(tmp_path, case):
+    """With nothing failing, the manager mode trains exactly as hiersync's plain mode on the same
+    nodes, whatever the options (period, warmup, fragments, overlap, compress, outer step, checkpoints)."""
+    from harness import launch
+
+    ranks, options, extra = OPTIONS[case]
+    cfg = _cfg(tmp_path, 2, steps=14, options=options, **extra)
+    plain = launch(ft_ranks.train_plain, [0] * ranks + [1] * ranks, cfg, timeout=120)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=ranks) as nodes:
+        for n in range(2):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+    for n in range(2):
+        for r in range(ranks):
+            got = _by_step(out[n][r])
+            for s in range(cfg["steps"]):
+                torch.testing.assert_close(got[s], plain[n * ranks + r][s], **TOL, msg=f"node {n} rank {r} step {s}")
