@@ -207,3 +207,29 @@ def test_options_match_the_plain_mode(tmp_path, case):
             got = _by_step(out[n][r])
             for s in range(cfg["steps"]):
                 torch.testing.assert_close(got[s], plain[n * ranks + r][s], **TOL, msg=f"node {n} rank {r} step {s}")
+
+
+@pytest.mark.slow
+def test_joiner_healed_from_two_peers_is_one_node(tmp_path):
+    """3 nodes x 2 ranks, Adam: torchft heals the joiner's rank 0 from one live node and rank 1 from
+    the other; hiersync makes the node one copy (parameters and Adam state) before it trains on."""
+    from hiersync.schedule import Schedule
+
+    kill_at = 6
+    kill = {"node": 2, "step": kill_at, "how": "local"}
+    cfg = _cfg(tmp_path, 3, steps=32, step_sleep=0.05, adam=True, options={"period": 4}, kill=kill)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=2) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, kill_at + 2, timeout=90)
+        nodes.start(2, ft_ranks.train, (dict(cfg, start_barrier=None, kill={}),))
+        out = nodes.wait([0, 1, 2], timeout=180)
+    joiner = out[2]
+    assert joiner[0]["first"] > kill_at and joiner[0]["stats"]["heals"] >= 1
+    r0, r1 = _by_step(joiner[0]), _by_step(joiner[1])
+    assert r0.keys() == r1.keys() and r0
+    for s in r0:  # Adam states that differed would split the node's ranks at the next step
+        torch.testing.assert_close(r0[s], r1[s], rtol=0, atol=0, msg=f"joiner's ranks at step {s}")
+    step, params = _first_sync_of_joiner(joiner[0], Schedule(period=4))
+    for n in (0, 1):
+        torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"joiner vs node {n}")
