@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -262,8 +263,13 @@ class FaultTolerantState(HierState):
             quorum=self._engine_quorum,
         )
 
-    def join(self) -> None:
-        """The first quorum: start the job with the other nodes, or join it (healed from a live peer)."""
+    def join(self, start_nodes: int = 1) -> None:
+        """The first quorum: start the job with the other nodes, or join it (healed from a live peer).
+
+        A job that starts waits (up to the Manager's quorum timeout) until ``start_nodes``
+        nodes are in its first quorum, so that they all start together; a node that joins a
+        running job is healed at once whatever ``start_nodes`` says.
+        """
         registered = getattr(self.manager, "_user_state_dicts", {})
         if self.rank == 0 and not set(registered) - {STATE_KEY}:
             logger.warning(
@@ -271,7 +277,22 @@ class FaultTolerantState(HierState):
                 "only hiersync's state; pass load_state_dict= and state_dict= to torchft.Manager"
             )
         first = Marker("exact", self.step) if self.schedule.kind(self.step) == EXACT else Marker("start", self.step)
-        self._resume(self._open(first))
+        limit = getattr(self.manager, "_quorum_timeout", None)
+        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 60.0)
+        window = self._open(first)
+        while window.marker == first and window.participants < start_nodes and time.monotonic() < deadline:
+            # Not everyone is up yet: abandon this quorum (no collective but the barrier ran in
+            # it, and no commit, so torchft's step stays where every starting node has it).
+            self.windows.abandon(window)
+            time.sleep(0.5)  # each quorum at step 0 may copy the first node's state to the others (init_sync)
+            window = self._open(first)
+        if window.marker == first and window.participants < start_nodes and self.rank == 0:
+            logger.warning(
+                "hiersync: starting with %d nodes, not the %d asked for (start_nodes): the others join when they come",
+                window.participants,
+                start_nodes,
+            )
+        self._resume(window)
 
     # ------------------------------------------------------------------ quorums
     def _model_device(self) -> torch.device:
@@ -410,9 +431,19 @@ class FaultTolerantState(HierState):
 
 
 def register_with_manager(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, manager: Any, **options: Any
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    manager: Any,
+    start_nodes: int = 1,
+    **options: Any,
 ) -> FaultTolerantState:
-    """:func:`hiersync.register` with ``manager=``: build, hook, attach, and hold the first quorum."""
+    """:func:`hiersync.register` with ``manager=``: build, hook, attach, and hold the first quorum.
+
+    ``start_nodes``: a starting job waits until that many nodes are in its first quorum
+    (:meth:`FaultTolerantState.join`).
+    """
+    if isinstance(start_nodes, bool) or not isinstance(start_nodes, int) or start_nodes < 1:
+        raise ValueError(f"start_nodes={start_nodes!r} must be an int >= 1 (the nodes a starting job waits for)")
     if optimizer is None:
         raise TypeError(
             "hiersync.register(ddp_model, optimizer, manager=...) needs the optimizer: a window's commit decides "
@@ -427,7 +458,7 @@ def register_with_manager(
     state._model = model
     model.register_comm_hook(state, hook)
     state.attach_optimizer(unwrap_optimizer(optimizer))
-    state.join()
+    state.join(start_nodes)
     return state
 
 

@@ -316,6 +316,12 @@ class Windows:
         self.comm.window = window
         return window
 
+    def abandon(self, window: Window) -> None:
+        """Forget a window that launched nothing but its barrier, without a vote (torchft's step stays)."""
+        assert window is self.undecided[-1] and not window.futures and not window.backups
+        self.undecided.remove(window)
+        window.committed = False
+
     # ------------------------------------------------------------- decide
     def decide(self, window: Window) -> bool:
         """Vote on ``window`` (and every window opened before it): whether it committed."""

@@ -8,9 +8,12 @@ against a reference run in this process of the surviving nodes' local SGD on the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side reads it once, at import
 pytest.importorskip("torchft")
 
 import ft_ranks
