@@ -212,7 +212,6 @@ def test_options_match_the_plain_mode(tmp_path, case):
                 torch.testing.assert_close(got[s], plain[n * ranks + r][s], **TOL, msg=f"node {n} rank {r} step {s}")
 
 
-@pytest.mark.slow
 def test_joiner_healed_from_two_peers_is_one_node(tmp_path):
     """3 nodes x 2 ranks, Adam: torchft heals the joiner's rank 0 from one live node and rank 1 from
     the other; hiersync makes the node one copy (parameters and Adam state) before it trains on."""
@@ -236,3 +235,26 @@ def test_joiner_healed_from_two_peers_is_one_node(tmp_path):
     step, params = _first_sync_of_joiner(joiner[0], Schedule(period=4))
     for n in (0, 1):
         torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"joiner vs node {n}")
+
+
+@pytest.mark.slow
+def test_ft_testbed_kills_and_restarts_a_node_of_the_example(tmp_path):
+    """python -m hiersync ft-testbed on examples/lm_torchft.py: 3 torchruns, node 2 killed at step 6 and
+    restarted; the survivors finish, node 2 rejoins at a later step, every node ends at the same loss."""
+    from pathlib import Path
+
+    from hiersync.tools.ft_testbed import FTTestbed, report, run_job, summarize
+
+    root = Path(__file__).resolve().parents[1]
+    script = [str(root / "examples" / "lm_torchft.py")]
+    args = ["--steps", "40", "--text-mb", "0.2", "--batch-size", "4", "--dim", "32", "--layers", "1"]
+    args += ["--eval-batches", "2", "--period", "4", "--step-sleep", "0.3", "--timeout", "10"]
+    with FTTestbed(3, 1, script + args, heartbeat_timeout_ms=1000, log_dir=str(tmp_path)) as tb:
+        run_job(tb, [(2, 6)], restart_after=0.5, timeout=400)
+        summary = summarize(tb, 5)
+    text = report(summary)
+    runs = summary["nodes"]
+    assert runs["2.1"]["killed_at"] is not None and runs["2.2"]["first_step"] > 6, text
+    assert summary["events"][0]["survivors"].keys() == {0, 1}, text
+    finals = {name: r["final_val_loss"] for name, r in runs.items() if name != "2.1"}
+    assert all(v is not None for v in finals.values()) and len(set(finals.values())) == 1, text
