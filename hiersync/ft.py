@@ -378,7 +378,7 @@ class FaultTolerantState(HierState):
         self._exact_window = None
         self._healed = True
         self.stats.heals += 1  # type: ignore[attr-defined]
-        log = logger.info if self._marker.kind == "start" else logger.warning  # torchft's init_sync heals at start
+        log = logger.info if self.step == 0 else logger.warning  # torchft's init_sync heals every node at the start
         log("hiersync: rank %d was recovered from a live peer; it resumes at %s", self.rank, self._marker.describe())
 
     # ------------------------------------------------------------------ the step

@@ -17,6 +17,7 @@ os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side reads it once,
 pytest.importorskip("torchft")
 
 import ft_ranks
+from harness import nccl_mode  # noqa: F401  (a fixture, used by name)
 
 from hiersync.tools.ft_nodes import Lighthouse, Nodes
 
@@ -192,6 +193,7 @@ OPTIONS = {
 }
 
 
+@pytest.mark.usefixtures("nccl_mode")
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_options_match_the_plain_mode(tmp_path, case):
     """With nothing failing, the manager mode trains exactly as hiersync's plain mode on the same
