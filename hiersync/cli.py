@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "collbench": ("hiersync.tools.collbench", "nccl-tests-like collective microbenchmark per level"),
     "testbed": ("hiersync.tools.testbed", "run a script on an emulated multi-node cluster (netns + shaped link)"),
+    "ft-testbed": (
+        "hiersync.tools.ft_testbed",
+        "torchft manager mode: kill (and restart) a node of a running job, print every node's loss curve",
+    ),
     "check": (
         "hiersync.tools.check",
         "day-one cluster check under torchrun: topology, parity with DDP, bandwidth, memory, profile",

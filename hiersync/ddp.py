@@ -296,7 +296,10 @@ def register(
 
     A ``DistributedDataParallel`` model gets a :class:`HierState` with the hook registered
     (``optimizer`` optional; it may be a framework's wrapper, e.g. Accelerate's
-    ``AcceleratedOptimizer``: the torch optimizer inside it is attached). A module that
+    ``AcceleratedOptimizer``: the torch optimizer inside it is attached). ``manager=`` (a
+    ``torchft.Manager``, DDP only) puts the inter-node leg on torchft's fault-tolerant replica
+    groups: each node is its own torchrun job and training goes on when nodes die or join
+    (:mod:`hiersync.ft`). A module that
     ``fully_shard`` was called on (FSDP2, sharded over :func:`hiersync.node_mesh`) gets a
     :class:`hiersync.fsdp.FSDPState` (``optimizer`` required).
 
@@ -306,6 +309,15 @@ def register(
     """
     from .fsdp import FSDPState, is_fsdp2
 
+    manager = options.pop("manager", None)
+    if manager is not None and not is_fsdp2(model):
+        from .ft import register_with_manager  # the inter-node leg on torchft (survives node loss)
+
+        return register_with_manager(model, optimizer, manager, **options)
+    if manager is not None:
+        raise TypeError(
+            "hiersync.register(..., manager=...) supports DDP models: FSDP2 with a torchft manager is not supported"
+        )
     if is_fsdp2(model):
         if optimizer is None:
             raise TypeError(

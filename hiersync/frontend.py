@@ -86,10 +86,14 @@ class SyncState:
         self._model: torch.nn.Module | None = None
         self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
         self._closed = False
-        check_layout(self.topology, cfg.period, self.rank, detail=str(cfg))
+        self._check_layout()
 
     def _check_topology(self, topology: Topology) -> None:
         """A front-end's requirement on the node layout (before any group is built)."""
+
+    def _check_layout(self) -> None:
+        """Log the layout and warn about one that defeats hierarchical sync (the manager mode logs its own)."""
+        check_layout(self.topology, self.config.period, self.rank, detail=str(self.config))
 
     def _use(self, averager: Averager) -> None:
         """Build the engine over the front-end's averager."""

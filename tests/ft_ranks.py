@@ -1,0 +1,218 @@
+"""Rank functions of the manager-mode tests (hiersync.ft), run on emulated torchft nodes.
+
+Each node trains a tiny model on data drawn from (node, rank, step), so a reference run in
+the test process (:func:`reference`) can replay exactly what the surviving nodes computed.
+A node can kill itself (SIGKILL: every rank at the same point) at a local step, or right
+after it joined a sync's quorum, before its averages go out (the survivors then have that
+sync in flight when it dies).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hiersync
+from hiersync.schedule import Schedule
+from hiersync.tools import ft_nodes
+
+DIM_IN, DIM_HID, DIM_OUT = 4, 8, 2
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM_IN, DIM_HID), nn.Tanh(), nn.Linear(DIM_HID, DIM_OUT))
+
+
+def batch(node: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1_000_003 * node + 1009 * rank + step)
+    x = torch.randn(8, DIM_IN, generator=g)
+    return x, torch.sin(x[:, :DIM_OUT] * 2)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _start_barrier(path: str | None, nodes: int) -> None:
+    """Hold the first nodes until all of them heartbeat, so the first quorum holds them all."""
+    if not path or dist.get_rank() != 0:
+        return
+    store = dist.FileStore(path, -1)
+    store.add("up", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("up", 0)) < nodes:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other nodes did not start")
+        time.sleep(0.02)
+
+
+def _optimizer(cfg: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    if cfg.get("adam"):
+        return torch.optim.Adam(params, lr=cfg.get("lr", 0.01))
+    return torch.optim.SGD(params, lr=cfg.get("lr", 0.1))
+
+
+def train_plain(cfg: dict[str, Any]) -> list[torch.Tensor]:
+    """The same training with hiersync's plain mode (one job, emulated nodes): parameters after each step."""
+    topo = hiersync.Topology.detect()
+    rank = dist.get_rank()
+    node, local = topo.node_of(rank), topo.local_rank(rank)
+    model = tiny_model()
+    ddp = DDP(model)
+    opt = _optimizer(cfg, ddp.parameters())
+    state = hiersync.register(ddp, opt, **cfg.get("options", {}))
+    out = []
+    for s in range(cfg["steps"]):
+        if s == cfg.get("checkpoint_at"):
+            state.load_state_dict(state.state_dict())
+        x, y = batch(node, local, s)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(flat(model))
+    return out
+
+
+def train(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train ``cfg["steps"]`` steps with hiersync on the torchft manager; record parameters per step."""
+    node, rank = ft_nodes.node_index(), dist.get_rank()
+    model = tiny_model()
+    ddp = DDP(model)
+    opt = _optimizer(cfg, ddp.parameters())
+    mgr = ft_nodes.manager(
+        timeout_s=cfg.get("timeout_s", 10.0),
+        quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])),
+        state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+    )
+    _start_barrier(cfg.get("start_barrier"), cfg.get("nodes", 1))
+    if cfg.get("register_after"):  # the test stops the Lighthouse first
+        ft_nodes.progress(-1)
+        while not os.path.exists(cfg["register_after"]):
+            time.sleep(0.02)
+        try:
+            hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
+        except hiersync.HierSyncError as e:
+            return {"error": str(e)}
+        return {"error": None}
+    state = hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
+    first = state.step
+    joined = flat(model)  # after the first quorum: a joiner healed at a sync already ran it
+    kill = cfg.get("kill", {})
+    if kill.get("node") == node and kill.get("how") in ("in_flight", "freeze_in_flight"):
+        sig = signal.SIGKILL if kill["how"] == "in_flight" else signal.SIGSTOP
+        _signal_on_next_sync(state, after_step=kill["step"], sig=sig)
+    records = []
+    while state.step < cfg["steps"]:
+        s = state.step
+        if kill.get("node") == node and kill.get("how") == "local" and s == kill["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if s == cfg.get("checkpoint_at"):
+            state.load_state_dict(state.state_dict())
+        x, y = batch(node, rank, s)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        records.append((s, flat(model), state.stats.sync_participants))
+        ft_nodes.progress(s, loss=f"{loss.item():.6f}")
+        time.sleep(cfg.get("step_sleep", 0.0))
+    stats = state.stats.as_dict()
+    mgr.shutdown(wait=False)
+    return {"first": first, "joined": joined, "records": records, "stats": stats}
+
+
+def _signal_on_next_sync(state: Any, after_step: int, sig: int) -> None:
+    """Send ``sig`` to this rank when its first sync after ``after_step`` sends its averages (after its quorum)."""
+    comm = state.comm
+    real = comm.rail_allreduce
+
+    def rail_allreduce(tensor: torch.Tensor, what: str) -> Any:
+        w = comm.window
+        if w is not None and w.kind == "sync" and w.marker.step > after_step and "barrier" not in what:
+            os.kill(os.getpid(), sig)
+        return real(tensor, what)
+
+    comm.rail_allreduce = rail_allreduce
+
+
+def reference(
+    cfg: dict[str, Any], nodes: int, ranks: int, members: Any, dropped: set[int] = frozenset()
+) -> dict[int, dict[int, torch.Tensor]]:
+    """Local SGD of ``nodes`` replicas on the same data as :func:`train` (SGD, plain averages).
+
+    ``members(step)``: the nodes alive at ``step`` and in the quorum of the sync after it;
+    syncs after the steps in ``dropped`` are launched but never applied. Returns each
+    node's parameters after each of its steps (what :func:`train` records), blocking or
+    overlapped (``overlap`` steps later) syncs of the whole model, with ``outer_lr`` (and
+    ``outer_momentum``) DiLoCo's outer step; a dropped sync leaves anchor and momentum alone.
+    """
+    opts = cfg.get("options", {})
+    sched = Schedule(period=opts.get("period", 1), warmup_steps=opts.get("warmup_steps", 0))
+    tau = int(opts.get("overlap", 0))
+    lr = cfg.get("lr", 0.1)
+    models = {n: tiny_model() for n in range(nodes)}
+    outer_lr, mu = opts.get("outer_lr"), opts.get("outer_momentum", 0.0)
+    anchor = flat(models[0])  # captured on the first step (no warmup here)
+    momentum = torch.zeros_like(anchor)
+    pending: list[tuple[int, dict[int, torch.Tensor]]] = []  # (apply once this many steps are done, corrections)
+    out: dict[int, dict[int, torch.Tensor]] = {n: {} for n in range(nodes)}
+    for s in range(cfg["steps"]):
+        alive = members(s)
+        for n in alive:
+            m = models[n]
+            grads = None
+            for r in range(ranks):
+                m.zero_grad()
+                x, y = batch(n, r, s)
+                nn.functional.mse_loss(m(x), y).backward()
+                g = [p.grad.detach().clone() / ranks for p in m.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            with torch.no_grad():
+                for p, g in zip(m.parameters(), grads):
+                    p.sub_(lr * g)
+        for _, corr in [p for p in pending if p[0] <= s + 1]:
+            for n, c in corr.items():
+                if n in alive:
+                    _add(models[n], c)
+        pending = [p for p in pending if p[0] > s + 1]
+        if sched.kind(s) == "sync" and s not in dropped:
+            snaps = {n: flat(models[n]) for n in alive}
+            target = torch.stack([snaps[n] for n in alive]).mean(0)
+            if outer_lr is not None:  # DiLoCo's outer Nesterov step from the common anchor
+                g = anchor - target
+                momentum = mu * momentum + g
+                target = anchor - outer_lr * (g + mu * momentum)
+                anchor = target.clone()
+            if tau == 0:
+                for n in alive:
+                    _set(models[n], target)
+            else:
+                pending.append((s + 1 + tau, {n: target - snaps[n] for n in alive}))
+        for n in alive:
+            out[n][s] = flat(models[n])
+    return out
+
+
+def _set(model: nn.Module, values: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(values[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+
+def _add(model: nn.Module, values: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(values[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()

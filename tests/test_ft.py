@@ -1,0 +1,262 @@
+"""The manager mode (hiersync.ft) on torchft, CPU gloo: nodes die, freeze and come back.
+
+Each test starts its own Lighthouse (port 0) and nodes (FileStore rendezvous, ports the OS
+picks) and always stops all of them (hiersync.tools.ft_nodes). Every distributed check is
+against a reference run in this process of the surviving nodes' local SGD on the same data
+(ft_ranks.reference), with fp32 tolerances (the rail sums in another order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side reads it once, at import
+pytest.importorskip("torchft")
+
+import ft_ranks
+from harness import nccl_mode  # noqa: F401  (a fixture, used by name)
+
+from hiersync.tools.ft_nodes import Lighthouse, Nodes
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _cfg(tmp_path, nodes: int, **kw):
+    cfg = {"steps": 12, "nodes": nodes, "start_barrier": str(tmp_path / "start"), "timeout_s": 10.0}
+    cfg.update(kw)
+    return cfg
+
+
+def _by_step(result) -> dict[int, torch.Tensor]:
+    return {s: p for s, p, _ in result["records"]}
+
+
+def test_no_failure_equals_reference(tmp_path):
+    """Nothing fails: three nodes of one rank train exactly like three-node local SGD (period 2)."""
+    cfg = _cfg(tmp_path, 3, options={"period": 2})
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1, 2], timeout=120)
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2])
+    for n in range(3):
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"node {n} step {s}")
+        assert out[n][0]["stats"]["failed_syncs"] == 0
+
+
+def _first_sync_of_joiner(result, schedule) -> tuple[int, torch.Tensor]:
+    """(step, parameters) right after the restarted node's first sync."""
+    first = result["first"]
+    if first > 0 and schedule.kind(first - 1) == "sync":
+        return first - 1, result["joined"]  # healed into that sync's quorum: it ran inside register()
+    for s, p, _ in result["records"]:
+        if schedule.kind(s) == "sync":
+            return s, p
+    raise AssertionError("the restarted node never synced")
+
+
+def test_node_killed_at_local_step_survivors_go_on_and_it_rejoins(tmp_path):
+    """Node 2 dies at a local step: nodes 0 and 1 finish with 2-node local SGD; node 2, restarted,
+    equals them after its first sync."""
+    from hiersync.schedule import Schedule
+
+    kill_at = 4  # a local step (syncs after steps 1, 3, 5, ...)
+    cfg = _cfg(
+        tmp_path, 3, steps=40, step_sleep=0.05, options={"period": 2}, kill={"node": 2, "step": kill_at, "how": "local"}
+    )
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, kill_at + 2, timeout=60)
+        nodes.wait_step(1, kill_at + 2, timeout=60)
+        restart = dict(cfg, start_barrier=None, kill={})
+        nodes.start(2, ft_ranks.train, (restart,))
+        out = nodes.wait([0, 1, 2], timeout=120)
+    joiner = out[2][0]
+    assert joiner["first"] > kill_at + 2 and joiner["stats"]["heals"] == 1
+    rejoined = joiner["first"] - 1
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s < kill_at else [0, 1])
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(rejoined):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+        assert out[n][0]["stats"]["failed_syncs"] == 0
+    step, params = _first_sync_of_joiner(joiner, Schedule(period=2))
+    for n in (0, 1):
+        torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"joiner vs node {n}")
+
+
+def test_node_killed_with_sync_in_flight(tmp_path):
+    """Node 2 dies right after joining the quorum of an overlapped sync (outer Nesterov step): the
+    survivors drop that sync (correction never applied, anchor and momentum restored) and go on."""
+    opts = {"period": 4, "overlap": 1, "outer_lr": 0.7, "outer_momentum": 0.9}
+    kill = {"node": 2, "step": 4, "how": "in_flight"}  # dies in the sync after step 7
+    cfg = _cfg(tmp_path, 3, steps=16, options=opts, kill=kill)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s <= 7 else [0, 1], dropped={7})
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+        stats = out[n][0]["stats"]
+        assert stats["failed_syncs"] == 1 and stats["sync_participants"] == 2
+
+
+def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
+    """Node 2 freezes (SIGSTOP) inside a sync: the survivors wait for the rail's timeout, drop that
+    sync and finish without it; their parameters follow 2-node local SGD."""
+    timeout_s = 3.0
+    kill = {"node": 2, "step": 4, "how": "freeze_in_flight"}  # freezes in the sync after step 5
+    cfg = _cfg(tmp_path, 3, steps=12, options={"period": 2}, kill=kill, timeout_s=timeout_s)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+        times = [t for t, s, _ in nodes.steps(0) if s in (4, 5)]
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s <= 5 else [0, 1], dropped={5})
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+    gap = times[1] - times[0]  # step 5 (and its sync) completes once the frozen sync timed out
+    assert timeout_s * 0.8 <= gap <= timeout_s + 5.0, gap
+
+
+def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path):
+    """2 nodes x 2 ranks: node 1 dies at a local step, node 0 trains on alone (its own local steps),
+    node 1 restarted joins, is healed rank by rank and equals node 0 after its first sync."""
+    from hiersync.schedule import Schedule
+
+    kill_at = 6
+    cfg = _cfg(
+        tmp_path, 2, steps=36, step_sleep=0.05, options={"period": 4}, kill={"node": 1, "step": kill_at, "how": "local"}
+    )
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=2) as nodes:
+        for n in range(2):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, kill_at + 2, timeout=60)
+        nodes.start(1, ft_ranks.train, (dict(cfg, start_barrier=None, kill={}),))
+        out = nodes.wait([0, 1], timeout=120)
+    joiner = out[1]
+    assert joiner[0]["first"] > kill_at and joiner[0]["stats"]["heals"] >= 1
+    ref = ft_ranks.reference(cfg, 2, 2, lambda s: [0, 1] if s < kill_at else [0])
+    got = [_by_step(r) for r in out[0]]
+    for s in range(joiner[0]["first"] - 1):
+        for r in range(2):
+            torch.testing.assert_close(got[r][s], ref[0][s], **TOL, msg=f"node 0 rank {r} step {s}")
+    step, params = _first_sync_of_joiner(joiner[0], Schedule(period=4))
+    _, params1 = _first_sync_of_joiner(joiner[1], Schedule(period=4))
+    torch.testing.assert_close(params, params1, rtol=0, atol=0)  # the node's ranks agree bit for bit
+    torch.testing.assert_close(params, got[0][step], **TOL)
+
+
+def test_unreachable_lighthouse_is_a_clear_error(tmp_path):
+    """The Lighthouse is gone when a node asks for its first quorum: hiersync says what to check."""
+    flag = tmp_path / "lighthouse-down"
+    cfg = _cfg(tmp_path, 1, register_after=str(flag), start_barrier=None, quorum_timeout_s=3.0)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        nodes.start(0, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, -1, timeout=60)
+        lh.shutdown()
+        flag.touch()
+        out = nodes.wait([0], timeout=60)
+    err = out[0][0]["error"]
+    assert err is not None and "could not form a quorum" in err and "Lighthouse" in err, err
+
+
+OPTIONS = {
+    # warmup (exact steps over the quorum), streaming, overlap, 16-bit deltas, outer Nesterov, a checkpoint
+    # round trip with a sync in flight, Adam; 2 nodes x 2 ranks
+    "2x2-warmup-fragments-bf16-outer": (
+        2,
+        {
+            "period": 4,
+            "warmup_steps": 2,
+            "fragments": 2,
+            "overlap": 1,
+            "compress": "bf16",
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+        },
+        {"adam": True, "checkpoint_at": 7},
+    ),
+    # several fragments in flight at once (overlap 3 > period / fragments), fp16; 2 nodes x 1 rank
+    "2x1-overlap3-fragments4-fp16": (1, {"period": 4, "fragments": 4, "overlap": 3, "compress": "fp16"}, {}),
+}
+
+
+@pytest.mark.usefixtures("nccl_mode")
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_options_match_the_plain_mode(tmp_path, case):
+    """With nothing failing, the manager mode trains exactly as hiersync's plain mode on the same
+    nodes, whatever the options (period, warmup, fragments, overlap, compress, outer step, checkpoints)."""
+    from harness import launch
+
+    ranks, options, extra = OPTIONS[case]
+    cfg = _cfg(tmp_path, 2, steps=14, options=options, **extra)
+    plain = launch(ft_ranks.train_plain, [0] * ranks + [1] * ranks, cfg, timeout=120)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=ranks) as nodes:
+        for n in range(2):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+    for n in range(2):
+        for r in range(ranks):
+            got = _by_step(out[n][r])
+            for s in range(cfg["steps"]):
+                torch.testing.assert_close(got[s], plain[n * ranks + r][s], **TOL, msg=f"node {n} rank {r} step {s}")
+
+
+def test_joiner_healed_from_two_peers_is_one_node(tmp_path):
+    """3 nodes x 2 ranks, Adam: torchft heals the joiner's rank 0 from one live node and rank 1 from
+    the other; hiersync makes the node one copy (parameters and Adam state) before it trains on."""
+    from hiersync.schedule import Schedule
+
+    kill_at = 6
+    kill = {"node": 2, "step": kill_at, "how": "local"}
+    cfg = _cfg(tmp_path, 3, steps=32, step_sleep=0.05, adam=True, options={"period": 4}, kill=kill)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=2) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        nodes.wait_step(0, kill_at + 2, timeout=90)
+        nodes.start(2, ft_ranks.train, (dict(cfg, start_barrier=None, kill={}),))
+        out = nodes.wait([0, 1, 2], timeout=180)
+    joiner = out[2]
+    assert joiner[0]["first"] > kill_at and joiner[0]["stats"]["heals"] >= 1
+    r0, r1 = _by_step(joiner[0]), _by_step(joiner[1])
+    assert r0.keys() == r1.keys() and r0
+    for s in r0:  # Adam states that differed would split the node's ranks at the next step
+        torch.testing.assert_close(r0[s], r1[s], rtol=0, atol=0, msg=f"joiner's ranks at step {s}")
+    step, params = _first_sync_of_joiner(joiner[0], Schedule(period=4))
+    for n in (0, 1):
+        torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"joiner vs node {n}")
+
+
+@pytest.mark.slow
+def test_ft_testbed_kills_and_restarts_a_node_of_the_example(tmp_path):
+    """python -m hiersync ft-testbed on examples/lm_torchft.py: 3 torchruns, node 2 killed at step 6 and
+    restarted; the survivors finish, node 2 rejoins at a later step, every node ends at the same loss."""
+    from pathlib import Path
+
+    from hiersync.tools.ft_testbed import FTTestbed, report, run_job, summarize
+
+    root = Path(__file__).resolve().parents[1]
+    script = [str(root / "examples" / "lm_torchft.py")]
+    args = ["--steps", "40", "--text-mb", "0.2", "--batch-size", "4", "--dim", "32", "--layers", "1"]
+    args += ["--eval-batches", "2", "--period", "4", "--step-sleep", "0.3", "--timeout", "10"]
+    with FTTestbed(3, 1, script + args, heartbeat_timeout_ms=1000, log_dir=str(tmp_path)) as tb:
+        run_job(tb, [(2, 6)], restart_after=0.5, timeout=400)
+        summary = summarize(tb, 5)
+    text = report(summary)
+    runs = summary["nodes"]
+    assert runs["2.1"]["killed_at"] is not None and runs["2.2"]["first_step"] > 6, text
+    assert summary["events"][0]["survivors"].keys() == {0, 1}, text
+    finals = {name: r["final_val_loss"] for name, r in runs.items() if name != "2.1"}
+    assert all(v is not None for v in finals.values()) and len(set(finals.values())) == 1, text
