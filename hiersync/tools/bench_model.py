@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync.costmodel.compression import compress_ratio
 from hiersync.costmodel.planner import copy_speed
 
 from .netns import DEFAULT_RATE
@@ -140,7 +141,7 @@ def compare(
                 fragments=row.get("fragments", 1),
                 overlap=row["overlap"],
                 placement=placement,
-                compress_ratio=0.5 if row.get("compress") else 1.0,
+                compress_ratio=compress_ratio(row.get("compress")),
                 **kw,
             )
             predicted = st.step_s - cm.step_time("intra_only", **kw).step_s

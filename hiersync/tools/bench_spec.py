@@ -2,14 +2,15 @@
 
 Grammar of the hiersync schedules::
 
-    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16][_outer]
+    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16 | _int8 | _int4][_outer]
 
 * ``hiersync_p<k>``: period k, the inter-node average runs blocking after ``optimizer.step()``;
 * ``_overlap``: the whole model's average is launched there and applied one step later
   (``overlap=True``, needs k >= 2);
 * ``_stream``: streaming, ``fragments=F`` (default ``F = k``) staggered over the period, each
   applied ``t`` steps after its launch (``overlap=t``, default 1, ``1 <= t <= k - 1``);
-* ``_bf16``: 16-bit deltas on the inter-node leg (``compress="bf16"``);
+* ``_bf16``: 16-bit deltas on the inter-node leg (``compress="bf16"``); ``_int8``, ``_int4``:
+  block-quantized deltas with error feedback (``compress="int8"`` / ``"int4"``);
 * ``_outer``: DiLoCo's outer Nesterov step on the averaged pseudo-gradient
   (``outer_lr=0.7, outer_momentum=0.9``, the values torchft's DiLoCo examples use).
 
@@ -61,13 +62,15 @@ FULL_PERIODS = (2, 4, 8)
 NEVER = 10**9  # a period no run reaches: intra-node averaging only
 COMPUTE_MODELS = ("cpu", "accel")
 """``cpu``: real CPU compute; ``accel``: layers that sleep a set time with the CPU idle (a device's kernels)."""
-GRAMMAR = "hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][_bf16][_outer]"
+GRAMMAR = "hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][_bf16|_int8|_int4][_outer]"
 TORCHFT_GRAMMAR = "torchft_localsgd_k<k>, torchft_diloco_k<k>[_d<d>], torchft_streaming_k<k>_f<F>[_d<d>]"
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
 """The outer optimizer of ``_outer`` rows and of torchft's DiLoCo rows (torchft's examples: SGD lr 0.7,
 momentum 0.9, Nesterov)."""
 
-_SCHEDULE_RE = re.compile(r"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(_bf16)?(_outer)?$")
+_SCHEDULE_RE = re.compile(
+    r"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(?:_(bf16|int8|int4))?(_outer)?$"
+)
 _TORCHFT_RE = re.compile(
     r"^torchft_(?:(localsgd)_k(\d+)|(diloco)_k(\d+)(?:_d(\d+))?|(streaming)_k(\d+)_f(\d+)(?:_d(\d+))?)$"
 )
@@ -118,8 +121,7 @@ def parse_schedule(name: str) -> ScheduleSpec:
     m = _SCHEDULE_RE.match(name)
     if m and int(m.group(1)) >= 1:
         period = int(m.group(1))
-        overlap_flag, stream, frag, tau, bf16, outer_flag = m.group(2, 3, 4, 5, 6, 7)
-        compress = "bf16" if bf16 else None
+        overlap_flag, stream, frag, tau, compress, outer_flag = m.group(2, 3, 4, 5, 6, 7)
         outer = bool(outer_flag)
         if overlap_flag:
             if period < 2:
