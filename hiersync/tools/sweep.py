@@ -37,7 +37,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Every power of two from 4 KiB to 256 MiB: alpha dominates below ~10-25 KB on slow
-# links, beta above ~1 MB on fast ones (docs/costmodel.md "Fitting alpha and beta").
+# links, beta above ~1 MB on fast ones (docs/costmodel.md "Calibrating your cluster").
 FULL_SIZES: tuple[int, ...] = tuple(4 * KiB * 2**i for i in range(17))
 # Every fourth power of two up to 64 MiB: enough points on both sides of the
 # alpha/beta knee, and it finishes in well under a minute on a two-core laptop.
