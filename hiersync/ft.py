@@ -209,6 +209,12 @@ class FaultTolerantState(HierState):
                 "and an all-gather, and only the rail all-reduce runs on the torchft Manager's process group here; "
                 "use compress='bf16' or 'fp16' with a manager"
             )
+        if options.get("average_optimizer_state"):
+            raise ValueError(
+                f"average_optimizer_state={options['average_optimizer_state']!r} is not supported with manager=...: a "
+                "dropped window restores the parameters' anchors only, and a joiner is healed with the optimizer "
+                "state its peer registered with the Manager; leave average_optimizer_state unset with a manager"
+            )
         cfg = HierConfig(period=period, warmup_steps=warmup_steps, **options)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(

@@ -53,6 +53,12 @@ def test_low_bit_compression_is_refused(compress):
         FaultTolerantState(_FakeManager(), period=4, compress=compress)
 
 
+def test_optimizer_state_averaging_is_refused():
+    pytest.importorskip("torchft")
+    with pytest.raises(ValueError, match=r"average_optimizer_state=\('exp_avg',\) is not supported.*leave"):
+        FaultTolerantState(_FakeManager(), period=4, average_optimizer_state=("exp_avg",))
+
+
 @pytest.mark.parametrize("name", ["process_group", "topology", "comm"])
 def test_own_groups_are_refused(name):
     pytest.importorskip("torchft")
