@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path (issue 9, part 4): skipped without a GPU, run with ``pytest -m cuda tests/gpu``.
+"""The CUDA/NCCL path: skipped without a GPU, run with ``pytest -m cuda tests/gpu``.
 
 CUDA_LAUNCH_BLOCKING must be off (it would hide every missing stream wait). Worlds:
 NCCL with one rank per GPU (world = number of GPUs, at least 1), and gloo with several
