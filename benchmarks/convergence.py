@@ -23,10 +23,12 @@ Run it (3 seeds x 10 schedules x 600 steps, about 3 minutes on two cores)::
 
 It prints a Markdown table (means over seeds, and the worst seed's difference to DDP) and
 writes ``convergence.json`` (raw curves and the table; default folder results/convergence)
-and a PNG of the loss and accuracy curves. ``--schedules`` also offers k=16, k=32 and two
-more outer-optimizer settings; ``--steps``, ``--seeds``, ``--lr``, ``--warmup-steps`` change
-the run. The reusable pieces (:func:`rank_main`, :func:`run`,
-:func:`summarize`) are imported by ``tests/test_convergence.py``.
+and a PNG of the loss and accuracy curves. ``--schedules`` also offers k=16, k=32, two more
+outer-optimizer settings, streaming with bf16 / int8 / int4 deltas (int4 also without error
+feedback) and with AdamW's ``exp_avg`` averaged; ``--steps``, ``--seeds``, ``--lr``,
+``--warmup-steps`` change the run. ``--task lm`` trains the example char-LM instead and
+reports final validation losses (:mod:`convergence_lm`). The reusable pieces
+(:func:`rank_main`, :func:`run`, :func:`summarize`) are imported by ``tests/test_convergence.py``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "k=8 outer m=0.5": dict(period=8, outer_lr=0.7, outer_momentum=0.5),
     "k=8 outer lr=1 m=0": dict(period=8, outer_lr=1.0, outer_momentum=0.0),
     "k=32 outer": dict(period=32, outer_lr=0.7, outer_momentum=0.9),
+    # fewer bits on the streaming rail; int8/int4: block-quantized, error feedback unless no-ef
+    "k=4 stream bf16": dict(period=4, fragments=4, overlap=1, compress="bf16"),
+    "k=4 stream int8": dict(period=4, fragments=4, overlap=1, compress="int8"),
+    "k=4 stream int4": dict(period=4, fragments=4, overlap=1, compress="int4"),
+    "k=4 stream int4 no-ef": dict(period=4, fragments=4, overlap=1, compress="int4", error_feedback=False),
+    # AdamW's first moment averaged across nodes with the parameters (--task lm; digits uses SGD)
+    "k=4 stream exp_avg": dict(period=4, fragments=4, overlap=1, average_optimizer_state=("exp_avg",)),
 }
 DEFAULT_SCHEDULES = list(SCHEDULES)[: list(SCHEDULES).index("k=16")]
 
@@ -411,14 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME",
         help=f"schedules to run, from {list(SCHEDULES)}",
     )
-    p.add_argument(
-        "--seeds",
-        nargs="+",
-        type=int,
-        default=[0, 1, 2],
-        help="the table shows means over seeds (and the worst seed's delta)",
-    )
-    p.add_argument("--steps", type=int, default=d["steps"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the table: means over seeds, worst seed")
+    p.add_argument("--steps", type=int, default=None, help=f"default {d['steps']}; --task lm: 300")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="per rank")
     p.add_argument("--lr", type=float, default=d["lr"], help="peak lr of the cosine schedule")
     p.add_argument("--momentum", type=float, default=d["momentum"])
@@ -426,7 +429,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=d["eval_every"])
     p.add_argument("--hidden", type=int, default=d["hidden"])
     p.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of the whole run, seconds")
-    a = p.parse_args(argv)
+    p.add_argument("--task", choices=("digits", "lm"), default="digits", help="lm: convergence_lm.py's char-LM")
+    p.add_argument("--eval-batches", type=int, default=64, help="lm: validation batches of the final loss")
+    p.add_argument("--refs", nargs="*", default=["ddp"], metavar="NAME", help="lm: schedules the gaps are to")
+    a, extra = p.parse_known_args(argv)  # --task lm: any other examples/_lm.py flag passes through
+    if a.task == "lm":
+        import convergence_lm
+
+        a.steps = a.steps or 300
+        return convergence_lm.main(a, {n: SCHEDULES[n] for n in a.schedules}, extra)
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    a.steps = a.steps or d["steps"]
 
     configs = [
         make_config(
@@ -451,16 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(a.out)
     atomic_write_json(
         out / "convergence.json",
-        dict(
-            command=command.strip(),
-            config=configs,
-            seeds=a.seeds,
-            node_ids=NODE_IDS,
-            wall_s=wall,
-            schedules={n: SCHEDULES[n] for n in a.schedules},
-            table=rows,
-            runs=runs,
-        ),
+        dict(command=command.strip(), config=configs, seeds=a.seeds, node_ids=NODE_IDS, wall_s=wall)
+        | dict(schedules={n: SCHEDULES[n] for n in a.schedules}, table=rows, runs=runs),
     )
     title = (
         f"digits, MLP 64-{cfg['hidden']}-10, 2 nodes x 2 ranks, {cfg['steps']} steps, batch {cfg['batch_size']}/rank, "

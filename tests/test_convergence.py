@@ -57,3 +57,28 @@ def test_digits_ddp_and_k4_learn(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert k4["sync_steps"] == STEPS // 4 and k4["exact_steps"] == 0
     assert k4["inter_bytes"] > 0
     assert abs(k4["final_test_acc"] - run["ddp"]["final_test_acc"]) < 5.0
+
+
+def test_lm_task_reports_final_losses_and_gaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--task lm``: the char-LM trains under DDP and int4 streaming, the table gives per-seed losses,
+    gaps to the references and bytes per sync; int4's link bytes are well under bf16's."""
+    schedules = ["ddp", "k=4 stream bf16", "k=4 stream int4"]
+    argv = ["--task", "lm", "--steps", "16", "--seeds", "0", "--eval-batches", "4", "--out", str(tmp_path)]
+    argv += ["--schedules", *schedules, "--refs", "ddp", "k=4 stream bf16", "--dim", "32", "--text-mb", "0.5"]
+    assert convergence.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| k=4 stream int4 |" in out and "vs k=4 stream bf16" in out
+
+    data = json.loads((tmp_path / "convergence_lm.json").read_text())
+    (run,) = data["runs"]
+    for name in schedules:
+        loss = run[name]["loss"]
+        assert len(loss) == 16
+        # bytes start at ln(256) = 5.5; 16 steps of AdamW at the example's lr already learn byte frequencies
+        assert run[name]["final_val_loss"] < loss[0] - 0.5, (name, loss[0], run[name]["final_val_loss"])
+    assert run["ddp"]["inter_bytes_per_sync"] is None
+    bf16, int4 = run["k=4 stream bf16"]["inter_bytes_per_sync"], run["k=4 stream int4"]["inter_bytes_per_sync"]
+    assert 0 < int4 <= 0.30 * bf16, (int4, bf16)
+    rows = {r["schedule"]: r for r in data["table"]}
+    gap = rows["k=4 stream int4"]["gap:ddp"]["mean"]
+    assert gap == pytest.approx(run["k=4 stream int4"]["final_val_loss"] / run["ddp"]["final_val_loss"] - 1)
