@@ -269,6 +269,8 @@ def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int, sch
         if cached.exists():
             result = json.loads(cached.read_text())
             print(f"  seed {seed} {schedule:20s} (from {cached})", flush=True)
+            if a.inter_rate == "none" and result["link"].startswith("tbf"):
+                result["link"] = "testbed namespaces, link not shaped"
             return result
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -283,7 +285,9 @@ def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int, sch
         result = json.loads(out.read_text())
         result["launch_s"] = time.perf_counter() - t0
         shaped = "network namespaces" in proc.stderr + "".join(p.read_text() for p in Path(tmp).glob("*.log"))
-        result["link"] = f"tbf {a.inter_rate}" if shaped else "loopback (not shaped)"
+        result["link"] = "loopback (not shaped)" if not shaped else f"tbf {a.inter_rate}"
+    if a.inter_rate == "none" and result["link"].startswith("tbf"):
+        result["link"] = "testbed namespaces, link not shaped"
     result["seed"] = seed
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -442,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntarget: DDP's final val loss {target:.4f} after {a.steps} steps, {ddp_wall:.1f} s\n{md}")
     for row in rows[1:]:
         print(f"steps to DDP's loss <= {a.goal:g}x DDP's, {row['schedule']}: {verdict(row, a.goal)}")
+    if not a.budget:
+        for row in rows[1:]:
+            gap = row["final_gap"] = final_gap(runs, row["schedule"])
+            print(
+                f"  {row['schedule']} after {row['steps_run']} steps: final val loss minus DDP's after {a.steps}, "
+                f"seed by seed, {gap['mean']:+.4f} (90% interval {gap['lo']:+.4f}..{gap['hi']:+.4f})"
+            )
     combined = None
     if a.steps_from:
         loss_run = json.loads(Path(a.steps_from).read_text())

@@ -56,6 +56,9 @@ def test_mean_curve_target_and_crossings():
     assert x["per_seed_steps"] == [30, 25]  # seed 0 reaches its 2.0 at 30, seed 1 its 2.2 halfway from 20 to 30
     assert x["val_at_ddp_steps"] == pytest.approx(2.225) and x["spread_at_ddp_steps"] == pytest.approx(0.15)
     assert x["gap_at_steps"] == pytest.approx([0.15, 0.1])
+    gap = x["paired_gap"]  # the mean of the seeds' gaps, and an interval inside their range
+    assert gap["mean"] == pytest.approx(0.125) and 0.1 - 1e-9 <= gap["lo"] <= gap["hi"] <= 0.15 + 1e-9
+    assert "+0.1250 (" in ttl.table([x], 20, 2.1, [0, 1])
     runs = _two_seeds()
     runs["x"][1]["evals"][-1]["val_loss"] = 2.5  # seed 1 never reaches: mean curve 2.25 at 30 > 2.1
     _, (_, x) = ttl.summarize(runs, 20)
