@@ -85,6 +85,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,31 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- driver
+def _run_testbed(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run one testbed launch; if this process is interrupted, stop it with SIGTERM first.
+
+    The testbed's SIGTERM handler stops its torchrun agents and ranks and removes the
+    namespaces; rank 0's torchft Lighthouse dies with rank 0. A SIGKILL (what
+    ``subprocess.run`` sends on an exception) would leave all of them behind.
+    """
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
 def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int, schedule_steps: int | None = None) -> dict:
     """One testbed run of ``schedule``; its lr schedule spans ``schedule_steps`` (default ``--steps``)."""
     what = ["--schedule", schedule, "--steps", str(schedule_steps or a.steps), "--max-steps", str(max_steps)]
@@ -278,7 +304,7 @@ def _launch(a: argparse.Namespace, schedule: str, max_steps: int, seed: int, sch
         cmd += ["--inter-rate", a.inter_rate, "--timeout", str(a.timeout), "--log-dir", tmp]
         cmd += ["--", str(Path(__file__).resolve()), "--worker", "--out", str(out), *what]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = _run_testbed(cmd)
         if proc.returncode != 0 or not out.exists():
             logs = "".join(p.read_text()[-4000:] for p in sorted(Path(tmp).glob("*.log")))
             raise SystemExit(f"{schedule} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}\n{logs}")
@@ -426,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if _lm.parser("check").parse_args(rest).seed != 0:
         p.error("pass seeds with --seeds (every schedule runs each), not --seed")
 
+    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM stops the testbed run in flight, too
     t_start = time.perf_counter()
     plan, probe_out, match_rate = probes(a) if a.inter_rate != "none" else (None, None, math.nan)
 

@@ -117,3 +117,32 @@ def test_seed_lists():
     assert ttl.parse_seeds("0,1,2") == [0, 1, 2] and ttl.parse_seeds("0-3,8") == [0, 1, 2, 3, 8]
     with pytest.raises(Exception, match="repeats"):
         ttl.parse_seeds("0-2,1")
+
+
+def test_an_interrupted_launch_stops_the_testbed_with_sigterm(tmp_path):
+    """The testbed cleans up (torchrun, ranks, namespaces, rank 0's Lighthouse) on SIGTERM, not on SIGKILL."""
+    import signal
+    import time
+
+    mark = tmp_path / "terminated"
+    child = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').close(), sys.exit(3)))\n"
+        "print('up', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    assert ttl._run_testbed([sys.executable, "-c", "print('ok')"]).stdout == "ok\n"
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ttl._run_testbed([sys.executable, "-c", child])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert mark.exists() and time.monotonic() - t0 < 20
