@@ -1,0 +1,280 @@
+"""The statistics and the report of benchmarks/time_to_loss.py: curves over seeds, intervals, table, plot.
+
+Pure Python over the runs' JSON (no torch): each run is a dict with ``evals`` (a list of
+``step``, ``wall_s``, ``val_loss``), ``final_val_loss``, ``wall_s`` and ``steps``; ``runs``
+maps a schedule's name to its runs, one per seed, in the same seed order for every schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "combine_steps",
+    "final_gap",
+    "mean_interval",
+    "mean_curve",
+    "ratio_interval",
+    "reach",
+    "summarize",
+    "table",
+    "verdict",
+    "plot",
+]
+
+
+def reach(evals: list[dict], target: float) -> dict | None:
+    """Where ``evals`` first comes down to ``target`` after step 0, or None if it never does.
+
+    Linear interpolation between that evaluation and the one before it (step and wall-clock
+    alike): the evaluations are ``--eval-every`` steps apart, coarser than the ratios this
+    benchmark compares (1.05x of 300 steps is 15 steps).
+    """
+    prev = None
+    for e in evals:
+        if e["step"] > 0 and e["val_loss"] <= target:
+            if prev is None or prev["step"] == 0 or prev["val_loss"] <= e["val_loss"]:
+                return dict(step=float(e["step"]), wall_s=e["wall_s"])
+            f = (prev["val_loss"] - target) / (prev["val_loss"] - e["val_loss"])
+            return dict(
+                step=prev["step"] + f * (e["step"] - prev["step"]),
+                wall_s=prev["wall_s"] + f * (e["wall_s"] - prev["wall_s"]),
+            )
+        prev = e
+    return None
+
+
+def mean_curve(runs: list[dict]) -> list[dict]:
+    """Mean validation loss and wall-clock over seeds, at the evaluation steps every seed has."""
+    steps = sorted(set.intersection(*({e["step"] for e in r["evals"]} for r in runs)))
+    by_seed = [{e["step"]: e for e in r["evals"]} for r in runs]
+    return [
+        dict(
+            step=s,
+            wall_s=sum(b[s]["wall_s"] for b in by_seed) / len(runs),
+            val_loss=sum(b[s]["val_loss"] for b in by_seed) / len(runs),
+            spread=max(b[s]["val_loss"] for b in by_seed) - min(b[s]["val_loss"] for b in by_seed),
+        )
+        for s in steps
+    ]
+
+
+def _interval(draws: list[float], level: float) -> tuple[float, float]:
+    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of bootstrap draws."""
+    xs = sorted(draws)
+
+    def at(q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return at((1 - level) / 2), at((1 + level) / 2)
+
+
+def ratio_interval(
+    runs: dict[str, list[dict]], name: str, steps: int, level: float = 0.9, draws: int = 2000
+) -> dict[str, tuple[float, float]] | None:
+    """Bootstrap interval over seeds of ``name``'s steps and wall-clock to DDP's loss, as x DDP's.
+
+    Each draw resamples the seeds with replacement, the same seeds for DDP and ``name`` (a
+    seed gives both the same weights and batches), and recomputes the target (DDP's mean
+    final loss over the drawn seeds), DDP's mean wall-clock and where ``name``'s mean curve
+    comes down to the target; a draw that never reaches it counts as ``inf``. Returns the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of both ratios (``inf`` as the upper
+    end: not reached in that share of the draws), or None with fewer than 3 seeds.
+    Deterministic (a fixed generator seed).
+    """
+    ddp, rs = runs["ddp"], runs[name]
+    n = len(ddp)
+    if n < 3 or len(rs) != n:
+        return None
+    rng = random.Random(0)
+    got: dict[str, list[float]] = {"steps": [], "wall": []}
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        target = sum(ddp[i]["final_val_loss"] for i in idx) / n
+        hit = reach(mean_curve([rs[i] for i in idx]), target)
+        got["steps"].append(hit["step"] / steps if hit else math.inf)
+        got["wall"].append(hit["wall_s"] / (sum(ddp[i]["wall_s"] for i in idx) / n) if hit else math.inf)
+    return {k: _interval(v, level) for k, v in got.items()}
+
+
+def mean_interval(xs: list[float], level: float = 0.9, draws: int = 2000) -> dict[str, float]:
+    """The mean of ``xs`` (one value per seed) and a bootstrap interval over seeds."""
+    rng = random.Random(0)
+    lo, hi = _interval([sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(draws)], level)
+    return {"mean": sum(xs) / len(xs), "lo": lo, "hi": hi}
+
+
+def final_gap(runs: dict[str, list[dict]], name: str, level: float = 0.9, draws: int = 2000) -> dict[str, float]:
+    """``name``'s final val loss minus DDP's, seed by seed: the mean and a bootstrap interval over seeds."""
+    gaps = [r["final_val_loss"] - d["final_val_loss"] for r, d in zip(runs[name], runs["ddp"])]
+    return mean_interval(gaps, level, draws)
+
+
+def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict]]:
+    """DDP's mean final loss (the target) and one row per schedule, from every seed's run.
+
+    Steps and wall-clock to the target are read off the schedule's mean curve over seeds
+    (DDP's own: its ``steps`` and mean wall-clock); ``per_seed_steps`` is where each seed's
+    curve comes down to *that seed's* DDP final loss (None: not reached); ``gap_at_steps``
+    is the schedule's val loss at DDP's last step minus DDP's, seed by seed.
+    """
+    ddp = runs["ddp"]
+    target = sum(r["final_val_loss"] for r in ddp) / len(ddp)
+    ddp_wall = sum(r["wall_s"] for r in ddp) / len(ddp)
+    rows = []
+    for name, rs in runs.items():
+        curve = mean_curve(rs)
+        hit = dict(step=steps, wall_s=ddp_wall) if name == "ddp" else reach(curve, target)
+        at = next((e for e in curve if e["step"] == steps), None)
+        own = [None if name == "ddp" else reach(r["evals"], d["final_val_loss"]) for r, d in zip(rs, ddp)]
+        at_seed = [next((e["val_loss"] for e in r["evals"] if e["step"] == steps), None) for r in rs]
+        row: dict[str, Any] = dict(
+            schedule=name,
+            s_per_step=sum(r["wall_s"] / r["steps"] for r in rs) / len(rs),
+            val_at_ddp_steps=at["val_loss"] if at else None,
+            spread_at_ddp_steps=at["spread"] if at else None,
+            gap_at_steps=[None if v is None else v - d["final_val_loss"] for v, d in zip(at_seed, ddp)],
+            final_val_loss=sum(r["final_val_loss"] for r in rs) / len(rs),
+            steps_run=max(r["steps"] for r in rs),
+            steps_to_target=hit["step"] if hit else None,
+            wall_to_target=hit["wall_s"] if hit else None,
+            per_seed_steps=[steps if name == "ddp" else round(h["step"]) if h else None for h in own],
+            curve=curve,
+        )
+        row["wall_x_ddp"] = row["wall_to_target"] / ddp_wall if hit else None
+        row["steps_x_ddp"] = row["steps_to_target"] / steps if hit else None
+        row["interval_90"] = None if name == "ddp" else ratio_interval(runs, name, steps)
+        row["paired_gap"] = None if name == "ddp" or None in row["gap_at_steps"] else mean_interval(row["gap_at_steps"])
+        rows.append(row)
+    return target, rows
+
+
+def verdict(row: dict, goal: float) -> str:
+    """Whether ``row`` reaches DDP's loss in at most ``goal`` x its steps, as the seeds decide it.
+
+    PASS: the 90% interval lies at or below ``goal``; FAIL: it lies above; else undecided.
+    With no interval (fewer than 3 seeds) the mean curve's value only, said so.
+    """
+    x, iv = row["steps_x_ddp"], row.get("interval_90")
+    mean = "not reached" if x is None else f"{x:.3f}x"
+    if not iv:
+        ok = x is not None and x <= goal
+        return f"{'PASS' if ok else 'FAIL'} on the mean ({mean}; fewer than 3 seeds: no interval)"
+    lo, hi = iv["steps"]
+    span = f"{mean}, 90% interval {_x(lo, '.3f')}-{_x(hi, '.3f')}"
+    if hi <= goal:
+        return f"PASS ({span})"
+    if lo > goal:
+        return f"FAIL ({span})"
+    return f"UNDECIDED ({span}: the interval spans {goal}x)"
+
+
+def combine_steps(rows: list[dict], loss_rows: list[dict]) -> list[dict]:
+    """Wall-clock to DDP's loss = steps to it (``loss_rows``, many seeds) x s/step (``rows``, this link).
+
+    Steps to a loss do not depend on the link: a loss-only run with many seeds on the plain
+    loopback gives them; this run gives each schedule's seconds per step on the shaped link.
+    Returns, per schedule in both, ``wall_x_ddp`` and its interval (the steps interval times
+    the ratio of s/step); schedules absent from ``loss_rows`` are left out.
+    """
+    by_name = {r["schedule"]: r for r in loss_rows}
+    ddp = next(r for r in rows if r["schedule"] == "ddp")
+    out = []
+    for r in rows:
+        lr = by_name.get(r["schedule"])
+        if lr is None:
+            continue
+        speed = r["s_per_step"] / ddp["s_per_step"]
+        iv = (lr.get("interval_90") or {}).get("steps")
+        out.append(
+            dict(
+                schedule=r["schedule"],
+                s_per_step=r["s_per_step"],
+                steps_x_ddp=lr["steps_x_ddp"],
+                steps_interval=iv,
+                wall_x_ddp=None if lr["steps_x_ddp"] is None else lr["steps_x_ddp"] * speed,
+                wall_interval=None if iv is None else (iv[0] * speed, iv[1] * speed),
+            )
+        )
+    return out
+
+
+def _x(v: float | None, spec: str = ".2f") -> str:
+    return "not reached" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def _ci(iv: tuple[float, float] | None) -> str:
+    return "" if not iv else f" ({_x(iv[0])}-{_x(iv[1])})"
+
+
+def _gap(g: dict | None) -> str:
+    return "" if not g else f"{g['mean']:+.4f} ({g['lo']:+.4f}..{g['hi']:+.4f})"
+
+
+def table(rows: list[dict], steps: int, target: float, seeds: list[int]) -> str:
+    mean = "mean of seeds " + ",".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
+    lines = [
+        f"| schedule | s/step | val loss at step {steps} ({mean}; spread) "
+        f"| minus DDP's, seed by seed (90% interval) | steps to DDP's final loss {target:.4f} "
+        "| wall-clock s to it | wall-clock vs DDP (90% interval over seeds) | steps vs DDP (90% interval) "
+        "| per seed: steps to its DDP's loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        spread = f" ({r['spread_at_ddp_steps']:.3f})" if r["spread_at_ddp_steps"] is not None and len(seeds) > 1 else ""
+        per_seed = ", ".join("-" if v is None else str(v) for v in r["per_seed_steps"])
+        iv = r.get("interval_90") or {}
+        lines.append(
+            f"| {r['schedule']} | {r['s_per_step']:.3f} | {_x(r['val_at_ddp_steps'], '.4f')}{spread} "
+            f"| {_gap(r.get('paired_gap'))} | {_x(r['steps_to_target'], '.0f')} | {_x(r['wall_to_target'], '.1f')} "
+            f"| {_x(r['wall_x_ddp'])}{_ci(iv.get('wall'))} | {_x(r['steps_x_ddp'])}{_ci(iv.get('steps'))} "
+            f"| {per_seed} |"
+        )
+    return "\n".join(lines)
+
+
+def combined_table(combined: list[dict], loss_seeds: int) -> str:
+    lines = [
+        f"| schedule | s/step on this link | steps vs DDP ({loss_seeds} seeds, 90% interval) "
+        "| wall-clock to DDP's loss vs DDP (90% interval) |",
+        "|---|---:|---:|---:|",
+    ]
+    for c in combined:
+        lines.append(
+            f"| {c['schedule']} | {c['s_per_step']:.3f} | {_x(c['steps_x_ddp'])}{_ci(c['steps_interval'])} "
+            f"| {_x(c['wall_x_ddp'])}{_ci(c['wall_interval'])} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict]], rows: list[dict], target: float, path: Path, title: str) -> None:
+    """Mean loss over seeds vs wall-clock and vs steps; each seed's curve faint behind it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, row in enumerate(rows):
+        color = f"C{i}"
+        for r in runs[row["schedule"]] if len(runs[row["schedule"]]) > 1 else []:
+            ev = [e for e in r["evals"] if e["step"] > 0]
+            axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
+            axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
+        ev = [e for e in row["curve"] if e["step"] > 0]
+        label = row["schedule"] + (" (mean of seeds)" if len(runs[row["schedule"]]) > 1 else "")
+        axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
+        axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
+    for ax, xl in zip(axes, ["wall-clock s (training only)", "step"]):
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label="DDP's final val loss")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("val loss (world-mean parameters)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
