@@ -8,6 +8,7 @@ The torchft rows (``--peers torchft``) run where torchft is installed (the dev e
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -765,3 +766,98 @@ def _has_torchft() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _config(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.make_config(parser.parse_args(argv))
+
+
+def test_fsdp_schedule_names_and_the_flag():
+    s = bench.parse_schedule("fsdp_hiersync_p4_stream")
+    assert (s.kind, s.period, s.fragments, s.overlap, s.stream) == ("fsdp_hiersync", 4, 4, 1, True)
+    assert s.hiersync_options() == {"period": 4, "compress": None, "fragments": 4, "overlap": 1}
+    assert bench.parse_schedule("fsdp_hiersync_p4").hiersync_options() == {
+        "period": 4,
+        "compress": None,
+        "overlap": False,
+    }
+    assert bench.parse_schedule("fsdp_hsdp").kind == "fsdp_hsdp"
+    assert bench.timed_steps(bench.parse_schedule("fsdp_hiersync_p4"), 3) == 4
+    assert bench.timed_steps(bench.parse_schedule("fsdp_intra_only"), 3) == 3
+    for bad in ("fsdp_ddp", "fsdp_hiersync_p1_overlap"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            bench.parse_schedule(bad)
+    default = _config([])  # the default run is unchanged: no FSDP2 rows, no memory pass
+    assert default["schedules"] == bench.default_schedules() and not default["memory"]
+    cfg = _config(["--fsdp"])
+    assert cfg["schedules"] == ["fsdp_hsdp", "fsdp_hiersync_p4", "fsdp_hiersync_p4_stream", "fsdp_intra_only"]
+    assert cfg["memory"]
+    # every FSDP2 row is compared with HSDP: named or not, it runs
+    assert _config(["--schedules", "fsdp_hiersync_p2"])["schedules"] == ["fsdp_hsdp", "fsdp_hiersync_p2"]
+    with pytest.raises(ValueError, match="use --models mlp"):
+        _config(["--fsdp", "--models", "transformer"])
+
+
+def test_fsdp_rows_memory_over_hsdp_and_claims():
+    names = ("fsdp_hsdp", "fsdp_hiersync_p4", "fsdp_hiersync_p4_stream")
+    ends = {"fsdp_hsdp": [2, 4, 6, 8], "fsdp_hiersync_p4": [1, 2, 4, 5], "fsdp_hiersync_p4_stream": [1, 2, 3, 4]}
+    peaks = {"fsdp_hsdp": 100.0, "fsdp_hiersync_p4": 130.0, "fsdp_hiersync_p4_stream": 170.0}
+    ranks = [_fake_rank(r, 1.0, names, "accel", ends) for r in (0, 1)]
+    for rr, cpu in zip(ranks, [_fake_rank(r, 1.0, names, "cpu", ends) for r in (0, 1)]):
+        rr["runs"] += cpu["runs"]
+        for run in rr["runs"]:
+            run["unsync_elapsed"] = run["unsync_step_ends"][-1]
+            run["shard_bytes"] = 20e6 + 1e6 * rr["rank"]  # the larger rank's counts
+        rr["memory"] = [  # measured once, whatever the compute model; rank 1 holds 1 MB more than HSDP's
+            {"model": "mlp", "compute": "accel", "bucket_mb": 25.0, "schedule": n,
+             "peak_mb": peaks[n] + (rr["rank"] if n != "fsdp_hsdp" else 0)} for n in names
+        ]  # fmt: skip
+    rows = bench_rows.summarize(ranks)
+    by = {(r["compute"], r["schedule"]): r for r in rows}
+    stream = by["accel", "fsdp_hiersync_p4_stream"]
+    assert stream["vs_hsdp"] == pytest.approx(0.5) and stream["vs_ddp"] is None
+    assert stream["extra_over"] == "fsdp_hsdp" and stream["extra_mb"] == pytest.approx(71.0)
+    assert stream["shard_mb"] == pytest.approx(21.0) and stream["extra_per_shard"] == pytest.approx(71 / 21)
+    assert by["cpu", "fsdp_hiersync_p4"]["extra_mb"] == pytest.approx(31.0)
+    assert by["accel", "fsdp_hsdp"]["extra_mb"] == 0.0 and by["accel", "fsdp_hsdp"]["vs_hsdp"] == 1.0
+    checked = {(c["claim"], c["compute"]): c for c in bench_claims.check_claims(rows)}
+    step = checked["FSDP2 streaming k=4 step <= 0.65x FSDP2 HSDP's", "accel"]
+    assert step["ratio"] == pytest.approx(0.5) and step["met"]
+    memory = [c for (label, _), c in checked.items() if "extra memory" in label]
+    assert len(memory) == 2  # once per row, not once per compute model
+    by_claim = {c["schedule"]: c for c in memory}
+    assert by_claim["fsdp_hiersync_p4_stream"]["met"] is False and by_claim["fsdp_hiersync_p4"]["met"] is True
+    text = bench_claims.format_claims(list(checked.values()))
+    assert "FAIL  FSDP2 streaming k=4 extra memory per rank <= 3x the rank's own fp32 shard" in text
+    assert "71.0 MB / the rank's own fp32 shard 21.0 MB = 3.38x" in text
+    table = bench_table.format_table(rows)
+    assert "FSDP2 row" in table and "vs HSDP" in table and "3.38x" in table and "FSDP2 HSDP's" in table
+    assert "| fsdp_hiersync_p4_stream | 1.000 |" in bench_table.format_table(rows, markdown=True)
+
+
+def test_bench_fsdp_end_to_end_tiny(tmp_path, capsys):
+    """The FSDP2 rows on loopback: HSDP, hiersync k=4 blocking and streaming, intra-only, the memory pass."""
+    out = tmp_path / "res"
+    code = cli.main(
+        ["bench", "--fsdp", "--loopback", "--mlp-params", "20k", "--steps", "2", "--warmup", "1", "--compute",
+         "accel", "--accel-layer-ms", "1", "--results", str(out), "--no-progress", "--no-plots", "--profile", "none"]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "FSDP2 row" in text and "FSDP2 streaming k=4 step <= 0.65x FSDP2 HSDP's [accel" in text
+    assert "issue" not in text
+    raw = json.loads((out / "bench.json").read_text())
+    rows = {r["schedule"]: r for r in raw["rows"]}
+    assert set(rows) == {"fsdp_hsdp", "fsdp_hiersync_p4", "fsdp_hiersync_p4_stream", "fsdp_intra_only"}
+    for r in rows.values():
+        assert r["step_s"] > 0 and r["step_p99_s"] >= r["step_p50_s"] > 0 and r["steps"] in (2, 4)
+        # a rank's own shard: half of each layer (the odd row of a layer goes to the first rank)
+        assert r["num_params"] * 2 / 1e6 <= r["shard_mb"] <= r["num_params"] * 2.1 / 1e6
+        assert r["extra_mb"] is not None and r["extra_over"] == "fsdp_hsdp"
+    # hiersync's own counters on loopback: a k=4 sync of each rank's shard, once per period
+    for name in ("fsdp_hiersync_p4", "fsdp_hiersync_p4_stream"):
+        assert rows[name]["inter_source"] == "counted" and rows[name]["inter_mb_step_mean"] > 0
+    assert rows["fsdp_hiersync_p4_stream"]["inter_mb_step_peak"] < rows["fsdp_hiersync_p4"]["inter_mb_step_peak"]
+    assert "| fsdp_hsdp |" in (out / "bench.md").read_text()

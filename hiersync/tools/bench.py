@@ -12,6 +12,8 @@ Every *schedule* trains the same model with the same data on the same cluster in
 ``hiersync_p<k>_stream[<F>][_tau<t>][_bf16]``  streaming: F fragments (default k) staggered over the
                               period, each applied t steps after launch (default 1)
 ``torchft_*``                 torchft's LocalSGD, DiLoCo, Streaming DiLoCo (``--peers torchft``)
+``fsdp_*``                    FSDP2 rows (``--fsdp``): FSDP2 HSDP, hiersync over FSDP2, FSDP2 in the
+                              node only (:mod:`.bench_fsdp_spec`)
 ``intra_only``                intra-node all-reduce only, never across nodes (reference)
 ``compute_only``              a hook that communicates nothing (reference: compute floor)
 ============================  ==============================================================
@@ -54,14 +56,16 @@ Example::
 
     $ sudo python -m hiersync bench                       # default comparison, ~3 min
     $ sudo python -m hiersync bench --peers torchft       # with torchft's rows beside hiersync's
+    $ sudo python -m hiersync bench --fsdp --results results/fsdp  # FSDP2 HSDP vs hiersync over FSDP2
     $ sudo python -m hiersync bench --full --results results/full
     $ python -m hiersync bench --loopback --mlp-params 1M --steps 2 --warmup 1
 
 Modules: :mod:`.bench_spec` (schedule names), :mod:`.bench_worker` (what each rank runs, with
-:mod:`.bench_compute`, :mod:`.bench_probes` and :mod:`.bench_torchft`), :mod:`.bench_rows`
+:mod:`.bench_steps`, :mod:`.bench_compute`, :mod:`.bench_probes`, :mod:`.bench_torchft` and
+:mod:`.bench_fsdp`), :mod:`.bench_rows`
 (rows), :mod:`.bench_table`, :mod:`.bench_claims`, :mod:`.bench_plots` and :mod:`.report`
 (what is printed and written), :mod:`.bench_model` (the cost model beside it), this one
-(the sweep and the command).
+(the sweep and the command), :mod:`.bench_progress` (its progress bar).
 """
 
 from __future__ import annotations
@@ -69,8 +73,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,7 +80,9 @@ from pathlib import Path
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
 from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios
+from .bench_fsdp_spec import FSDP_GRAMMAR, fsdp_schedules
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
+from .bench_progress import ProgressFile, environment
 from .bench_rows import summarize
 from .bench_spec import (
     COMPUTE_MODELS,
@@ -119,52 +123,6 @@ DEFAULT_BUCKETS_MB = (25.0,)
 FULL_BUCKETS_MB = (1.0, 5.0, 25.0, 100.0)
 
 
-# ---------------------------------------------------------------------------- launcher
-class _ProgressFile:
-    """Feeds rank 0's per-step lines into a tqdm bar (or the log when tqdm is missing)."""
-
-    def __init__(self, path: Path, total: int) -> None:
-        self.path = path
-        self.pos = 0
-        self.done = 0
-        try:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total, unit="step", desc="bench", file=sys.stderr, dynamic_ncols=True, mininterval=0.5
-            )
-        except ImportError:
-            self.bar = None
-        self.total = total
-        self.last_log = 0.0
-
-    def poll(self) -> None:
-        try:
-            with open(self.path) as f:
-                f.seek(self.pos)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        lines = chunk.split("\n")
-        complete = lines[:-1]
-        self.pos += sum(len(x) + 1 for x in complete)
-        if not complete:
-            return
-        self.done += len(complete)
-        label = complete[-1].split("\t")[0]
-        if self.bar is not None:
-            self.bar.update(len(complete))
-            self.bar.set_postfix_str(label)
-        elif time.monotonic() - self.last_log > 10:
-            self.last_log = time.monotonic()
-            logger.info("bench: %d/%d steps (%s)", self.done, self.total, label)
-
-    def close(self) -> None:
-        self.poll()
-        if self.bar is not None:
-            self.bar.close()
-
-
 def run_bench(
     config: dict,
     *,
@@ -192,7 +150,7 @@ def run_bench(
     with tempfile.TemporaryDirectory(prefix="hiersync-bench-") as tmp:
         prog_path = Path(tmp) / "progress"
         config = {**config, "progress": str(prog_path)}
-        bar = _ProgressFile(prog_path, total) if progress else None
+        bar = ProgressFile(prog_path, total) if progress else None
         load_before = os.getloadavg()[0]
         start = time.monotonic()
         cluster = dict(
@@ -223,7 +181,7 @@ def run_bench(
         "config": {k: v for k, v in config.items() if k != "progress"},
         "testbed": info,
         # On a shared machine other jobs steal cores from the ranks: say how busy it was.
-        "environment": {**_environment(), "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]},
+        "environment": {**environment(), "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]},
         "ranks": results,
     }
     if probes:  # the slowest rank's copy speed
@@ -232,28 +190,22 @@ def run_bench(
     return rows, raw
 
 
-def _environment() -> dict:
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "hostname": platform.node(),
-    }
-
-
 def make_config(args: argparse.Namespace) -> dict:
     """The worker's configuration from the command line (validated here, not in the ranks)."""
     if args.schedules:
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    elif args.fsdp:
+        schedules = fsdp_schedules(period=4)
     elif args.full:
         schedules = full_schedules(args.periods or FULL_PERIODS)
     else:
         schedules = default_schedules()
     peers = [x.strip() for x in (args.peers or "").split(",") if x.strip()]
     schedules = with_peers(schedules, peers, period=4)
+    specs = [parse_schedule(s) for s in schedules]  # ValueError naming a bad name, before any rank starts
+    fsdp = [sp.name for sp in specs if sp.kind.startswith("fsdp_")]
+    if fsdp and "fsdp_hsdp" not in schedules:
+        schedules.insert(0, "fsdp_hsdp")  # every FSDP2 row is compared with HSDP (step and memory)
     for s in schedules:
         if parse_schedule(s).kind == "torchft":
             from .bench_torchft import require_torchft
@@ -275,6 +227,9 @@ def make_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--mlp-params={args.mlp_params!r} is not a number like 25M, 500k or 300000") from None
     if params < 64:
         raise ValueError(f"--mlp-params={args.mlp_params!r} is too small (>= 64 parameters)")
+    if fsdp and models != ["mlp"]:
+        rows = ", ".join(fsdp)
+        raise ValueError(f"--models={','.join(models)}: the FSDP2 rows ({rows}) shard the mlp; use --models mlp")
     compute = parse_compute(args.compute)
     if not args.accel_layer_ms >= 0:
         raise ValueError(f"--accel-layer-ms={args.accel_layer_ms} must be >= 0")
@@ -307,8 +262,8 @@ def make_config(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "hiersync_options": {"nonfinite": args.nonfinite},
         "pg_timeout": 120.0,
-        # the memory pass: on with --memory, and with --peers (the comparison is about memory too)
-        "memory": bool(args.memory or peers),
+        # the memory pass: on with --memory, and with --peers or FSDP2 rows (the comparison is about memory too)
+        "memory": bool(args.memory or peers or fsdp),
     }
 
 
@@ -323,7 +278,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedules",
         default=None,
         help="comma-separated schedule names: ddp, postlocal_k<k>, bf16_hook, intra_only, compute_only, "
-        f"{GRAMMAR}, {TORCHFT_GRAMMAR} (default: the claims' k=4 set)",
+        f"{GRAMMAR}, {TORCHFT_GRAMMAR}, {FSDP_GRAMMAR} (default: the claims' k=4 set)",
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="the FSDP2 rows instead of the default set: FSDP2 HSDP every step, hiersync FSDP k=4 blocking and "
+        "streaming (period=4, fragments=4, overlap=1), FSDP2 inside the node only; with the memory pass",
     )
     g.add_argument(
         "--peers",

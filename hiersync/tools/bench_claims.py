@@ -26,10 +26,12 @@ class Claim:
     computes: tuple[str, ...]
     schedule: str
     statistic: str
-    """``mean``, ``p50``, ``p99`` (step seconds), ``bytes`` or ``peak`` (inter-node MB per step and node)."""
+    """``mean``, ``p50``, ``p99`` (step seconds), ``bytes`` or ``peak`` (inter-node MB per step and node),
+    ``extra`` (the worst rank's extra peak MB, ``--memory``)."""
     reference: str
-    """A schedule, ``whole_sync`` (one whole-model average's MB), ``torchft_streaming`` (its row at k) or
-    ``torchft_fastest`` (the torchft row at k with the smallest ``reference_statistic``)."""
+    """A schedule, ``whole_sync`` (one whole-model average's MB), ``torchft_streaming`` (its row at k),
+    ``torchft_fastest`` (the torchft row at k with the smallest ``reference_statistic``) or ``own_shard``
+    (the row's own fp32 parameter shard per rank, FSDP2 rows)."""
     reference_statistic: str
     bound: float
 
@@ -53,6 +55,14 @@ CLAIMS: tuple[Claim, ...] = (
           "torchft_fastest", "mean", 1.0),
     Claim("streaming k=4 link bytes per step <= 0.6x torchft Streaming DiLoCo's", ("accel", "cpu"),
           "hiersync_p4_stream", "bytes", "torchft_streaming", "bytes", 0.6),
+    # FSDP2 (--fsdp): against FSDP2's own HSDP; memory: the worst rank's peak over HSDP's, in units of
+    # the rank's own fp32 parameter shard (measured once per run: checked on the first compute model)
+    Claim("FSDP2 streaming k=4 step <= 0.65x FSDP2 HSDP's", ("accel",), "fsdp_hiersync_p4_stream", "mean",
+          "fsdp_hsdp", "mean", 0.65),
+    Claim("FSDP2 streaming k=4 extra memory per rank <= 3x the rank's own fp32 shard", ("accel", "cpu"),
+          "fsdp_hiersync_p4_stream", "extra", "own_shard", "shard", 3.0),
+    Claim("FSDP2 blocking k=4 extra memory per rank <= 3x the rank's own fp32 shard", ("accel", "cpu"),
+          "fsdp_hiersync_p4", "extra", "own_shard", "shard", 3.0),
 )  # fmt: skip
 _STAT = {
     "mean": "step_s",
@@ -60,11 +70,18 @@ _STAT = {
     "p99": "step_p99_s",
     "bytes": "inter_mb_step_mean",
     "peak": "inter_mb_step_peak",
+    "extra": "extra_mb",
+    "shard": "shard_mb",
 }
+_MB = ("bytes", "peak", "extra", "shard")
+_ONCE = ("extra",)
+"""Statistics measured once per run (the memory pass), whatever the compute model: checked once."""
 
 
 def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | None, str] | None:
     model, bucket, compute = key
+    if claim.reference == "own_shard":
+        return row.get("shard_mb"), "the rank's own fp32 shard"
     if claim.reference == "whole_sync":
         p4 = by.get((model, bucket, compute, "hiersync_p4"))
         if p4 is not None and p4.get("inter_mb_step_peak"):
@@ -102,12 +119,16 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
     out = []
     groups = list(dict.fromkeys(row_key(r)[:3] for r in rows))
     for claim in claims:
+        done: set[tuple] = set()
         for key in groups:
             if key[2] not in claim.computes:
                 continue
             row = by.get((*key, claim.schedule))
-            if row is None:
+            if row is None or (claim.statistic in _ONCE and key[:2] in done):
                 continue
+            if claim.statistic in _ONCE and row.get(_STAT[claim.statistic]) is None:
+                continue  # no memory pass
+            done.add(key[:2])
             ref = _reference(by, key, claim, row)
             if ref is None:
                 continue
@@ -125,7 +146,7 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
                     "reference_name": ref_name,
                     "value": value,
                     "reference_value": ref_value,
-                    "unit": "MB" if claim.statistic in ("bytes", "peak") else "s",
+                    "unit": "MB" if claim.statistic in _MB else "s",
                     "ratio": ratio,
                     "bound": claim.bound,
                     "met": None if ratio is None else ratio <= claim.bound,

@@ -110,7 +110,9 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
     says how they were counted); ``peak_mb`` the largest rank's peak memory in the memory
     pass (:func:`hiersync.tools.bench_worker.memory_worker`, ``--memory``) and ``extra_mb`` the
     most any rank's peak exceeds its peak in ``compute_only``'s run of that pass (else DDP's;
-    ``extra_over`` says which; the same for every compute model: it does not depend on it). With
+    ``extra_over`` says which; the same for every compute model: it does not depend on it). FSDP2
+    rows: ``extra_mb`` over FSDP2 HSDP's (:data:`FSDP_MEMORY_REFERENCES`), ``shard_mb`` the rank's own
+    fp32 parameter shard, ``extra_per_shard`` their ratio, ``vs_hsdp`` the step against HSDP's. With
     repeats, every number is the median over the repeats (``step_s_runs`` lists them). A
     schedule the installed hiersync cannot build has ``unsupported`` set and no numbers.
     """
@@ -119,7 +121,7 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
     rows: list[dict] = []
     for i, run0 in enumerate(first["runs"]):
         runs = [r["runs"][i] for r in rank_results]
-        row = _empty_row(run0)
+        row = _empty_row(run0, runs)
         if not row["unsupported"]:
             row.update(_numbers(runs, run0, nodes))
         rows.append(row)
@@ -133,6 +135,9 @@ MEMORY_REFERENCES = ("compute_only", "ddp")
 """What extra memory is measured over: DDP with a hook that sends nothing (the model, gradients,
 buckets and optimizer every row has, and nothing else), else DDP (whose own all-reduce on gloo
 holds scratch buffers: +0.8 P per rank on the 800 Mbit testbed)."""
+FSDP_MEMORY_REFERENCES = ("fsdp_hsdp", "fsdp_intra_only")
+"""The FSDP2 rows' extra memory is measured over FSDP2's own HSDP (the same sharded model, gradients
+and optimizer), else over FSDP2 inside the node only."""
 
 
 def _add_memory(rows: list[dict], rank_results: Sequence[dict]) -> None:
@@ -149,15 +154,18 @@ def _add_memory(rows: list[dict], rank_results: Sequence[dict]) -> None:
         if not mine or any(x is None for x in mine):
             continue
         row["peak_mb"] = max(mine)  # type: ignore[type-var]
-        for reference in MEMORY_REFERENCES:
+        refs = FSDP_MEMORY_REFERENCES if str(row["kind"]).startswith("fsdp_") else MEMORY_REFERENCES
+        for reference in refs:
             ref = peaks.get((row["model"], row["bucket_mb"], reference))
             if ref and all(x is not None for x in ref):
                 row["extra_mb"] = max(a - b for a, b in zip(mine, ref))  # type: ignore[operator]
                 row["extra_over"] = reference
                 break
+        if row.get("shard_mb") and row.get("extra_mb") is not None:
+            row["extra_per_shard"] = row["extra_mb"] / row["shard_mb"]
 
 
-def _empty_row(run0: dict) -> dict[str, Any]:
+def _empty_row(run0: dict, runs: Sequence[dict]) -> dict[str, Any]:
     spec = run0["spec"]
     row: dict[str, Any] = {
         "model": run0["model"],
@@ -174,9 +182,11 @@ def _empty_row(run0: dict) -> dict[str, Any]:
         "steps": run0["steps"],
         "unsupported": run0.get("unsupported"),
         "whole_sync_mb": run0["whole_sync_inter_bytes"] / 1e6 if run0.get("whole_sync_inter_bytes") else None,
+        # FSDP2 rows: the fp32 bytes of a rank's own parameter shard (the largest rank's)
+        "shard_mb": max(r.get("shard_bytes", 0) for r in runs) / 1e6 if run0.get("shard_bytes") else None,
     }
     row.update(dict.fromkeys(NUMBERS))
-    row["inter_source"] = row["extra_over"] = None
+    row["inter_source"] = row["extra_over"] = row["extra_per_shard"] = None
     row["accel_asked_s"] = row["accel_slept_s"] = None
     row["step_durations_s"] = ""
     return row
@@ -235,7 +245,7 @@ def _merge_repeats(rows: list[dict]) -> list[dict]:
     for rs in groups.values():
         row = dict(rs[0])
         for k in rs[0]:
-            if k in ("bucket_mb", "grad_mb", "whole_sync_mb"):
+            if k in ("bucket_mb", "grad_mb", "whole_sync_mb", "shard_mb"):
                 continue
             vals = [r[k] for r in rs if isinstance(r[k], float)]
             if vals:
@@ -248,7 +258,7 @@ def _merge_repeats(rows: list[dict]) -> list[dict]:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """Ratios against DDP and post-local SGD at the same k, always within one compute model."""
+    """Ratios against DDP, post-local SGD at the same k and FSDP2 HSDP, always within one compute model."""
     by = {row_key(r): r for r in rows}
 
     def ratio(r: dict, ref: dict | None) -> float | None:
@@ -262,3 +272,5 @@ def _add_ratios(rows: list[dict]) -> None:
         if r["kind"] in ("hiersync", "postlocal", "torchft") and r["period"] and r["period"] > 1:
             post = by.get(row_key(r, f"postlocal_k{r['period']}"))
         r["vs_postlocal"] = ratio(r, post)
+        # FSDP2 rows: against FSDP2's own HSDP
+        r["vs_hsdp"] = ratio(r, by.get(row_key(r, "fsdp_hsdp"))) if str(r["kind"]).startswith("fsdp_") else None

@@ -44,6 +44,7 @@ __all__ = [
     "run_steps",
     "memory_steps",
     "BURN_STEPS",
+    "PERIODIC",
     "parse_compute",
     "NEVER",
     "FULL_PERIODS",
@@ -109,7 +110,11 @@ class ScheduleSpec:
 
 
 def parse_schedule(name: str) -> ScheduleSpec:
-    """Parse ``"hiersync_p4_stream_bf16"``, ``"postlocal_k4"``, ``"ddp"``, ... into a spec."""
+    """Parse ``"hiersync_p4_stream_bf16"``, ``"postlocal_k4"``, ``"ddp"``, ``"fsdp_hsdp"``, ... into a spec."""
+    if name.startswith("fsdp_"):
+        from .bench_fsdp_spec import parse_fsdp_schedule
+
+        return parse_fsdp_schedule(name)
     if name in ("ddp", "bf16_hook", "intra_only", "compute_only"):
         return ScheduleSpec(name, name, period=NEVER if name == "intra_only" else 1)
     m = re.match(r"^postlocal_k(\d+)$", name)
@@ -303,9 +308,12 @@ PEERS = ("torchft", "torchft-all")
 
 def timed_steps(spec: ScheduleSpec, steps: int) -> int:
     """``steps`` rounded up to a multiple of the period, so every window holds the same syncs."""
-    k = spec.period if spec.kind in ("hiersync", "postlocal", "torchft") and spec.period < NEVER else 1
+    k = spec.period if spec.kind in PERIODIC and spec.period < NEVER else 1
     return max(k, int(math.ceil(steps / k)) * k)
 
+
+PERIODIC = ("hiersync", "postlocal", "torchft", "fsdp_hiersync")
+"""The kinds whose rows sync across nodes every k steps."""
 
 BURN_STEPS = 1
 """Untimed free-running steps between the attributed and the timed ones (bench_worker)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from .bench_fsdp_table import format_fsdp_table
 from .bench_rows import PHASES, row_key
 
 __all__ = ["COMPUTE_LABELS", "BYTES_NOTES", "format_table"]
@@ -80,6 +81,9 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
                 + [_fmt(r.get("extra_mb"), ".0f")]
             )
         notes = [n for n in (_bytes_note(rs), _memory_note(rs), _sleep_note(rs)) if n]
+        fsdp = format_fsdp_table(rs, markdown)
+        if fsdp:
+            notes.append(("\n" if markdown else "") + fsdp)
         if markdown:
             lines += [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             lines += ["| " + " | ".join(b + [""] * (len(head) - len(b))) + " |" for b in body]
@@ -117,6 +121,8 @@ def _memory_note(rows: Sequence[dict]) -> str | None:
         "compute_only": "compute_only's (DDP with a hook that sends nothing: the model, gradients, buckets and "
         "optimizer every row has)",
         "ddp": "DDP's",
+        "fsdp_hsdp": "FSDP2 HSDP's (FSDP2 rows)",
+        "fsdp_intra_only": "FSDP2 intra-node only's (FSDP2 rows)",
     }
     ref = " or ".join(what.get(str(o), str(o)) for o in sorted(over, key=str))
     return (
