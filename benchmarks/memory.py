@@ -8,7 +8,7 @@ it is printed in units of the fp32 parameter bytes (P), beside the budget of doc
 the ``*_adamw*`` modes (AdamW, against ``p1_adamw``), which price ``average_optimizer_state``;
 the int8/int4 modes carry their error-feedback residual (a 1/L shard per rank).
 
-    python benchmarks/memory.py            # about a minute on 2 cores
+    python benchmarks/memory.py            # about 3 minutes on 2 cores (13 modes x 2 runs)
 
 Allocations of 64 KiB or more are mmap'd (mallopt), so freed tensors leave the
 resident set and the peak measures live memory; differences below ~0.1 P are noise.
