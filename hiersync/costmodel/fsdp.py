@@ -70,7 +70,7 @@ class FsdpMemory:
     in_flight: float
     """Snapshots (and payloads) of the rank's shard of the fragments in flight."""
     residual: float = 0.0
-    """fp32 error-feedback residual for the rank's shard (int8/int4 compression)."""
+    """fp32 error-feedback residuals (int8/int4 compression): the rank's shard and the 1/N of it it re-encodes."""
     activations: float = 0.0
     """As given: the model's activations are not modelled."""
 
@@ -103,13 +103,15 @@ def fsdp_memory(
     outer: bool = False,
     error_feedback: bool = False,
     activations_bytes: float = 0.0,
+    nodes: int = 2,
 ) -> FsdpMemory:
     """Memory per GPU of ``params`` parameters in ``units`` FSDP units sharded over ``ranks_per_node``.
 
     ``param_bytes`` / ``grad_bytes``: per parameter (fp32: 4); ``optimizer_bytes``: optimizer
     state per parameter (AdamW: 8); ``anchor``: hiersync keeps an fp32 anchor (compression or an
-    outer optimizer); ``outer``: an outer optimizer (its momentum). Period 1 (HSDP) keeps no
-    hiersync state.
+    outer optimizer); ``outer``: an outer optimizer (its momentum); ``error_feedback``: int8/int4's residuals, the shard's and
+    1/``nodes`` of it (the piece the rank re-encodes; ``nodes=2``: the largest). Period 1 (HSDP)
+    keeps no hiersync state.
     """
     p = check_number("params", params, strict=True)
     lpn, u = check_count("ranks_per_node", ranks_per_node), check_count("units", units)
@@ -128,7 +130,7 @@ def fsdp_memory(
         anchor=shard_state if k > 1 and (anchor or outer) else 0.0,
         momentum=shard_state if k > 1 and outer else 0.0,
         in_flight=in_flight,
-        residual=shard_state if k > 1 and error_feedback else 0.0,
+        residual=shard_state * (1 + 1 / check_count("nodes", nodes)) if k > 1 and error_feedback else 0.0,
         activations=check_number("activations_bytes", activations_bytes),
     )
 

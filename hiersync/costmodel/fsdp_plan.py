@@ -169,7 +169,7 @@ def make_fsdp_plan(
         fragments=rec.fragments, overlap=rec.overlap, param_bytes=pb, grad_bytes=pb,
         optimizer_bytes=optimizer_bytes, reshard_after_forward=reshard_after_forward,
         anchor=compress != "none", outer=outer, error_feedback=compression.is_quantized(compress),
-        activations_bytes=activations_gb * 1e9,
+        activations_bytes=activations_gb * 1e9, nodes=profile.nodes,
     )  # fmt: skip
     n = profile.nodes
     nics = min(profile.rails or profile.ranks_per_node, profile.ranks_per_node)

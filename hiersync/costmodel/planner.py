@@ -346,6 +346,7 @@ def make_plan(
         overlap=recommended.overlap,
         compress=compress != "none",
         error_feedback=compression.is_quantized(compress),
+        nodes=profile.nodes,
         attached=recommended.placement not in (None, "hook"),
         param_bytes=DTYPE_BYTES[dtype],
     )
