@@ -109,9 +109,9 @@ def fsdp_memory(
 
     ``param_bytes`` / ``grad_bytes``: per parameter (fp32: 4); ``optimizer_bytes``: optimizer
     state per parameter (AdamW: 8); ``anchor``: hiersync keeps an fp32 anchor (compression or an
-    outer optimizer); ``outer``: an outer optimizer (its momentum); ``error_feedback``: int8/int4's residuals, the shard's and
-    1/``nodes`` of it (the piece the rank re-encodes; ``nodes=2``: the largest). Period 1 (HSDP)
-    keeps no hiersync state.
+    outer optimizer); ``outer``: an outer optimizer (its momentum); ``error_feedback``: int8/int4's
+    residuals, the shard's and 1/``nodes`` of it (the piece the rank re-encodes; ``nodes=2``: the
+    largest). Period 1 (HSDP) keeps no hiersync state.
     """
     p = check_number("params", params, strict=True)
     lpn, u = check_count("ranks_per_node", ranks_per_node), check_count("units", units)
