@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -250,31 +251,36 @@ def combined_table(combined: list[dict], loss_seeds: int) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, list[dict]], rows: list[dict], target: float, path: Path, title: str) -> None:
-    """Mean loss over seeds vs wall-clock and vs steps; each seed's curve faint behind it."""
+def plot(
+    runs: dict[str, list[dict]], rows: list[dict], target: float, path: Path, title: str, wall: bool = True
+) -> None:
+    """Mean loss over seeds vs wall-clock (``wall``: a shaped link's) and vs steps; each seed's curve faint."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    keys = (["wall_s"] if wall else []) + ["step"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     for i, row in enumerate(rows):
         color = f"C{i}"
-        for r in runs[row["schedule"]] if len(runs[row["schedule"]]) > 1 else []:
-            ev = [e for e in r["evals"] if e["step"] > 0]
-            axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
-            axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
-        ev = [e for e in row["curve"] if e["step"] > 0]
-        label = row["schedule"] + (" (mean of seeds)" if len(runs[row["schedule"]]) > 1 else "")
-        axes[0].plot([e["wall_s"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
-        axes[1].plot([e["step"] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", label=label)
-    for ax, xl in zip(axes, ["wall-clock s (training only)", "step"]):
+        many = len(runs[row["schedule"]]) > 1
+        for ax, key in zip(axes[0], keys):
+            for r in runs[row["schedule"]] if many else []:
+                ev = [e for e in r["evals"] if e["step"] > 0]
+                ax.plot([e[key] for e in ev], [e["val_loss"] for e in ev], color=color, alpha=0.2, lw=0.8)
+            ev = [e for e in row["curve"] if e["step"] > 0]
+            label = row["schedule"] + (" (mean of seeds)" if many else "")
+            ax.plot([e[key] for e in ev], [e["val_loss"] for e in ev], color=color, marker=".", ms=3, label=label)
+    for ax, key in zip(axes[0], keys):
+        xl = "wall-clock s (training only)" if key == "wall_s" else "step"
         ax.axhline(target, color="gray", ls="--", lw=0.8, label="DDP's final val loss")
         ax.set_xlabel(xl)
         ax.set_ylabel("val loss (world-mean parameters)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+        ax.set_ylim(target - 0.15, target + 0.85)  # the end of the curves, where the target is crossed
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 100), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

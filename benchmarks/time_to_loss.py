@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             f"; DDP exposed comm {probe_out['exposed_fraction']:.0%} "
             f"(planner, 7B on 16x8 A100 1 NIC: {plan['exposed_fraction']:.0%})"
         )
-    plot(runs, rows, target, png, title)
+    plot(runs, rows, target, png, title, wall=runs["ddp"][0]["link"].startswith("tbf"))
     command = "python benchmarks/time_to_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "time_to_loss.json").write_text(
         json.dumps(
