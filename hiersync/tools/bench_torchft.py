@@ -298,11 +298,16 @@ def attach(
             algo: Any = LocalSGD(manager, model, optimizer, sync_every=period)
         elif algorithm == "diloco":
             o = {"lr": OUTER["outer_lr"], "momentum": OUTER["outer_momentum"]} if outer is None else outer
-            outer_opt = torch.optim.SGD(
-                model.parameters(), lr=o["lr"], momentum=o["momentum"], nesterov=o["momentum"] > 0
-            )
             parts = [model] if fragments == 1 else split_fragments(model, fragments)
-            algo = DiLoCo(manager, parts, optimizer, outer_opt, sync_every=period, fragment_sync_delay=delay)
+            # One outer optimizer per fragment (torchft's DiLoCo takes a list, one per fragment): a
+            # fragment's sync sets .grad (its pseudo-gradient) on its own parameters only, so one
+            # optimizer over the whole model would step the other fragments again with the
+            # pseudo-gradients their last sync left there (the loss diverges within tens of steps).
+            outer_opts = [
+                torch.optim.SGD(part.parameters(), lr=o["lr"], momentum=o["momentum"], nesterov=o["momentum"] > 0)
+                for part in parts
+            ]
+            algo = DiLoCo(manager, parts, optimizer, outer_opts, sync_every=period, fragment_sync_delay=delay)
         else:
             raise ValueError(f"algorithm={algorithm!r} is not known; use 'localsgd' or 'diloco'")
         algo.__enter__()
