@@ -118,7 +118,7 @@ SCHEDULES: dict[str, dict[str, Any] | None] = {
     "hiersync_k4_stream_adam": dict(
         period=4, fragments=4, overlap=1, average_optimizer_state=("exp_avg", "exp_avg_sq")
     ),
-    # not in the default run: the loss-only comparisons of docs/benchmarks.md ("Time to loss")
+    # not in the default run: further loss-only comparisons (docs/time-to-loss.md)
     "postlocal_k4_aligned": None,  # PeriodicModelAverager(warmup_steps=3): averages after steps 4, 8, ...
     "hiersync_k4_warm30": dict(period=4, warmup_steps=30),
     "hiersync_k4_outer": dict(period=4, outer_lr=1.0, outer_momentum=0.5),
