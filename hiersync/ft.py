@@ -104,17 +104,11 @@ class FaultTolerantSync(CrossNodeSync):
             self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
 
     def launch_due(self, where: str = "") -> None:
-        self._unhook()
-        if self.due is None:
-            return
-        (step, fragments), self.due = self.due, None
-        logger.info(
-            "hiersync: optimizer.step() was skipped after a sync step%s; its cross-node average runs now and is "
-            "applied after the next optimizer.step()",
-            where,
-        )
-        with torch.no_grad(), record_function("hiersync/sync_launched_late"):
-            self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
+        late = self._take_due(where)
+        if late is not None:
+            step, fragments = late
+            with torch.no_grad(), record_function("hiersync/sync_launched_late"):
+                self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
 
     def run_blocking(self, fragments: Sequence[int] = (0,)) -> None:
         raise RuntimeError("internal: in the manager mode every sync runs in a window (run_window)")

@@ -202,17 +202,24 @@ class CrossNodeSync:
 
     def launch_due(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""
+        late = self._take_due(where)
+        if late is not None:
+            step, fragments = late
+            with torch.no_grad(), record_function("hiersync/sync_launched_late"):
+                self.launch_overlapped(fragments, apply_at=step + 1 + max(self.overlap, 1))
+
+    def _take_due(self, where: str) -> tuple[int, Sequence[int]] | None:
+        """The due sync that ``optimizer.step()`` did not launch (logged), or None; no longer due."""
         self._unhook()
         if self.due is None:
-            return
+            return None
         (step, fragments), self.due = self.due, None
         logger.info(
             "hiersync: optimizer.step() was skipped after a sync step%s (e.g. a GradScaler overflow); its "
             "cross-node average runs now and is applied after the next optimizer.step()",
             where,
         )
-        with torch.no_grad(), record_function("hiersync/sync_launched_late"):
-            self.launch_overlapped(fragments, apply_at=step + 1 + max(self.overlap, 1))
+        return step, fragments
 
     def close(self) -> None:
         """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
