@@ -46,7 +46,7 @@ from .config import HierConfig
 from .ddp import HierState, hook
 from .ddp_checks import unwrap_optimizer
 from .ft_rail import FTStats, ManagerComm, Marker, Window, Windows, import_torchft
-from .futures import HierSyncError, wait
+from .futures import HierSyncError
 from .sync import Averager, Correction, CrossNodeSync, world_mean
 from .topology import Topology, world_timeout
 from .vocab import StepKind
@@ -147,29 +147,12 @@ class FaultTolerantSync(CrossNodeSync):
     @torch.no_grad()
     def apply_corrections(self, steps_done: int | None = None, fragment: int | None = None) -> None:
         """Decide the windows of the corrections due, then add those that committed."""
-        due = [
-            c
-            for c in self.in_flight
-            if (steps_done is None or c.apply_at <= steps_done) and (fragment is None or c.fragment == fragment)
-        ]
-        if not due:
-            return
-        for c in due:
-            self._check_fits(c)
+        due = self._due_corrections(steps_done, fragment)
         for c in due:
             window = getattr(c, "window", None)
             if window is not None:
                 self.windows.decide(window)
-        self.in_flight = [c for c in self.in_flight if all(c is not d for d in due)]
-        avg = self.averager
-        for c in due:
-            if not _committed(c):
-                continue  # dropped: local progress is kept
-            if c.future is not None:
-                avg.add_correction(c.indices, wait(c.future))
-            else:
-                assert c.shard is not None
-                avg.write(c.indices, c.shard, add=True)
+        self._apply(due, keep=_committed)  # a dropped window's corrections: local progress is kept
 
     def state(self) -> dict[str, Any]:
         """As the plain engine's, after deciding every window: only committed corrections are saved."""

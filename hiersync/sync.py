@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -284,18 +284,28 @@ class CrossNodeSync:
         Checked first, all of them: a correction that does not fit the registered
         parameters raises ``ValueError`` and nothing is applied or dropped.
         """
+        self._apply(self._due_corrections(steps_done, fragment))
+
+    def _due_corrections(self, steps_done: int | None, fragment: int | None) -> list[Correction]:
+        """The corrections in flight due at ``steps_done`` (of ``fragment``), each checked to fit."""
         due = [
             c
             for c in self.in_flight
             if (steps_done is None or c.apply_at <= steps_done) and (fragment is None or c.fragment == fragment)
         ]
-        if not due:
-            return
         for c in due:
             self._check_fits(c)
+        return due
+
+    def _apply(self, due: list[Correction], keep: Callable[[Correction], bool] = lambda c: True) -> None:
+        """Take ``due`` out of flight and add those ``keep`` accepts to the parameters, in launch order."""
+        if not due:
+            return
         self.in_flight = [c for c in self.in_flight if all(c is not d for d in due)]
         avg = self.averager
         for c in due:
+            if not keep(c):
+                continue
             if c.future is not None:
                 avg.add_correction(c.indices, wait(c.future))
             else:
