@@ -147,14 +147,14 @@ SITES = {
     # inside the gather's Sequencer launch, which has waited on the same future already.)
     "averaged_params_written_unwaited": ("hiersync.averagers", "_complete", ATTACHED),
     "gathered_shards_written_unwaited": ("hiersync.averagers", "write", ATTACHED),  # blocking: gather at write
-    "gathered_correction_added_unwaited": ("hiersync.sync", "apply_corrections", OVERLAP),  # gathered early
+    "gathered_correction_added_unwaited": ("hiersync.sync", "_apply", OVERLAP),  # gathered early
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
     "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
     "after_reads_unwaited": ("hiersync.futures", "cb", PARITY),
     "synchronize_reads_unwaited": ("hiersync.sync", "world_mean", SYNCHRONIZE),
     "fsdp_gradient_shard_read_unwaited": ("hiersync.fsdp", "_on_reduced", FSDP_EXACT),  # exact step, in FSDP's hook
-    "fsdp_correction_added_unwaited": ("hiersync.sync", "apply_corrections", FSDP_OVERLAP),
+    "fsdp_correction_added_unwaited": ("hiersync.sync", "_apply", FSDP_OVERLAP),
     "fsdp_synchronize_reads_unwaited": ("hiersync.fsdp", "synchronize", FSDP_EXACT),
 }
 CAUGHT = ("not close", "nan", "PoisonedWrite", "ranks differ", "non-finite", "differs from rank")
