@@ -422,12 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the table: means over seeds, worst seed")
     p.add_argument("--steps", type=int, default=None, help=f"default {d['steps']}; --task lm: 300")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="per rank")
-    p.add_argument("--lr", type=float, default=d["lr"], help="peak lr of the cosine schedule")
-    p.add_argument("--momentum", type=float, default=d["momentum"])
-    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="hiersync exact-sync warmup")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"])
-    p.add_argument("--hidden", type=int, default=d["hidden"])
+    # Shared with --task lm (passed on to examples/_lm.py, whose defaults apply when unset):
+    p.add_argument("--batch-size", type=int, default=None, help=f"per rank (default {d['batch_size']}; lm: 16)")
+    p.add_argument(
+        "--lr", type=float, default=None, help=f"peak lr of the cosine schedule (default {d['lr']}; lm: 3e-3)"
+    )
+    p.add_argument("--warmup-steps", type=int, default=None, help="hiersync exact-sync warmup (default 0)")
+    # The digits task only:
+    p.add_argument("--momentum", type=float, default=None, help=f"SGD momentum (default {d['momentum']})")
+    p.add_argument("--eval-every", type=int, default=None, help=f"steps (default {d['eval_every']})")
+    p.add_argument("--hidden", type=int, default=None, help=f"MLP width (default {d['hidden']})")
     p.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit of the whole run, seconds")
     p.add_argument("--task", choices=("digits", "lm"), default="digits", help="lm: convergence_lm.py's char-LM")
     p.add_argument("--eval-batches", type=int, default=64, help="lm: validation batches of the final loss")
@@ -436,11 +440,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.task == "lm":
         import convergence_lm
 
+        digits_only = [
+            f"--{k.replace('_', '-')}" for k in ("momentum", "eval_every", "hidden") if getattr(a, k) is not None
+        ]
+        if digits_only:
+            verb = "applies" if len(digits_only) == 1 else "apply"
+            p.error(f"{', '.join(digits_only)} {verb} to --task digits only (the LM's flags are examples/_lm.py's)")
+        for k in ("batch_size", "lr", "warmup_steps"):  # before ``extra``: the same flag given twice, the last wins
+            if getattr(a, k) is not None:
+                extra = [f"--{k.replace('_', '-')}", str(getattr(a, k)), *extra]
         a.steps = a.steps or 300
         return convergence_lm.main(a, {n: SCHEDULES[n] for n in a.schedules}, extra)
     if extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     a.steps = a.steps or d["steps"]
+    for k in ("batch_size", "lr", "momentum", "warmup_steps", "eval_every", "hidden"):
+        if getattr(a, k) is None:
+            setattr(a, k, d[k])
 
     configs = [
         make_config(

@@ -8,7 +8,8 @@ sizes and two roundings, and the table gives, per (bits, block, rounding):
 * ``bits/value``: what crosses the link, scales included;
 * ``err one window``: mean over windows of |decode(encode(delta)) - delta| / |delta| (L2);
 * ``err after W``: |sum(sent) - sum(deltas)| / |sum(deltas)| over all W windows, without and
-  with error feedback (what the codes left out is added to the next delta).
+  with error feedback (what the codes left out is added to the next delta), its residual
+  kept in fp32 or in bf16 (what hiersync keeps, ``hiersync.quant.RESIDUAL_DTYPE``).
 
 Round to nearest is what hiersync ships (``hiersync.quant.BlockCodec``); stochastic rounding
 (``floor(x / scale + u)``, u uniform in [0, 1)) is measured here only, for the comparison.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import _lm
 
-from hiersync.quant import BlockCodec
+from hiersync.quant import RESIDUAL_DTYPE, BlockCodec
 
 
 def deltas(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -58,13 +59,12 @@ def stochastic(codec: BlockCodec, x: torch.Tensor, gen: torch.Generator) -> torc
     """Encode-decode with stochastic rounding (the comparison; hiersync rounds to nearest)."""
     blocks = x.reshape(-1, codec.block)
     scale = blocks.abs().amax(1, keepdim=True) / codec.qmax
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     u = torch.rand(blocks.shape, generator=gen)
-    q = torch.floor(blocks * inv + u).clamp_(-codec.qmax, codec.qmax)
+    q = torch.floor(torch.where(scale > 0, blocks / scale, 0.0) + u).clamp_(-codec.qmax, codec.qmax)
     return (q * scale).reshape(-1)
 
 
-def measure(ds: list[torch.Tensor], codec: BlockCodec, rounding: str) -> tuple[float, float, float]:
+def measure(ds: list[torch.Tensor], codec: BlockCodec, rounding: str) -> tuple[float, float, float, float]:
     gen = torch.Generator().manual_seed(0)
     n = codec.padded(ds[0].numel())
 
@@ -74,7 +74,9 @@ def measure(ds: list[torch.Tensor], codec: BlockCodec, rounding: str) -> tuple[f
         return stochastic(codec, x, gen)
 
     one, total = [], torch.zeros(n)
-    sent_plain, sent_fed, residual = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    sent_plain = torch.zeros(n)
+    sent_fed = {torch.float32: torch.zeros(n), RESIDUAL_DTYPE: torch.zeros(n)}  # by the residual's dtype
+    residual = {dtype: torch.zeros(n, dtype=dtype) for dtype in sent_fed}
     for d in ds:
         x = torch.zeros(n)
         x[: d.numel()] = d
@@ -82,12 +84,13 @@ def measure(ds: list[torch.Tensor], codec: BlockCodec, rounding: str) -> tuple[f
         y = roundtrip(x)
         one.append(float((y - x).norm() / x.norm()))
         sent_plain += y
-        e = x + residual
-        s = roundtrip(e)
-        residual = e - s
-        sent_fed += s
+        for dtype in sent_fed:
+            e = x + residual[dtype]
+            s = roundtrip(e)
+            residual[dtype] = (e - s).to(dtype)
+            sent_fed[dtype] += s
     rel = lambda sent: float((sent - total).norm() / total.norm())
-    return sum(one) / len(one), rel(sent_plain), rel(sent_fed)
+    return sum(one) / len(one), rel(sent_plain), rel(sent_fed[torch.float32]), rel(sent_fed[RESIDUAL_DTYPE])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,14 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"char-LM: {args.layers} layers, dim {args.dim}, AdamW lr {args.lr}, k={args.period}")
     print(f"{W} windows of {args.period} steps, {ds[0].numel()} values each")
     head = f"{'bits':>4} {'block':>5} {'rounding':>10} {'bits/value':>10} {'err one window':>15} "
-    print(head + f"{'err after W, no feedback':>25} {'with feedback':>14}")
+    print(head + f"{'err after W, no feedback':>25} {'feedback, fp32 residual':>24} {'bf16 residual':>14}")
     for bits in (8, 4):
         for block in (int(b) for b in args.blocks.split(",")):
             codec = BlockCodec(bits, block)
             for rounding in ("nearest", "stochastic"):
-                one, plain, fed = measure(ds, codec, rounding)
+                one, plain, fed32, fed16 = measure(ds, codec, rounding)
                 bpv = codec.packed_bytes(block * 64) * 8 / (block * 64)
-                print(f"{bits:>4} {block:>5} {rounding:>10} {bpv:>10.3f} {one:>15.4f} {plain:>25.4f} {fed:>14.5f}")
+                row = f"{bits:>4} {block:>5} {rounding:>10} {bpv:>10.3f} {one:>15.4f} "
+                print(row + f"{plain:>25.4f} {fed32:>24.5f} {fed16:>14.5f}")
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
-from .quant import BlockCodec, NoFeedback
+from .quant import RESIDUAL_DTYPE, BlockCodec, ErrorFeedback, NoFeedback
 from .sync import Launched
 from .vocab import GATHER_PIECE_BYTES
 
@@ -50,8 +50,8 @@ class ChunkState:
     lo: int  # this rank's shard starts here (flat coordinates)
     anchor: torch.Tensor | None = None  # (s,) fp32
     momentum: torch.Tensor | None = None  # (s,) fp32
-    residual: torch.Tensor | None = None  # (s,) fp32: what the codes of this shard's deltas left out
-    reduced_residual: torch.Tensor | None = None  # fp32: the same for the piece this rank reduces
+    residual: torch.Tensor | None = None  # (s,) bf16: what the codes of this shard's deltas left out
+    reduced_residual: torch.Tensor | None = None  # bf16: the same for the piece this rank reduces
 
     @property
     def n(self) -> int:
@@ -182,6 +182,10 @@ class RailAverager:
         """``t`` on ``device`` (a transient copy when the state is offloaded)."""
         return t if t.device == device else t.to(device, non_blocking=True)
 
+    @classmethod
+    def _maybe_here(cls, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        return None if t is None else cls._here(t, device)
+
     # ------------------------------------------------------------- anchors
     def capture(self, chunks: Sequence[Sequence[int]]) -> None:
         if not self.needs_anchor:
@@ -226,16 +230,12 @@ class RailAverager:
         padded = codec.padded(c.s, N)
         e = torch.zeros(padded, dtype=torch.float32, device=x.device)
         torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
-        if c.residual is not None:
-            e[: c.s].add_(self._here(c.residual, x.device))
-        packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
-        if self.feedback:
-            left = e.sub_(codec.decode_pieces(packed, padded, N))[: c.s]  # what these codes leave out
-            if c.residual is None:
-                c.residual = self._store(left.clone())
-            else:
-                c.residual.copy_(left, non_blocking=True)
         feedback = self.feedback
+        if feedback:
+            packed, left = ErrorFeedback(codec, N).encode(e, self._maybe_here(c.residual, x.device))
+            c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self._store)
+        else:
+            packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
         n = padded // N  # values per piece
         nbytes = codec.packed_bytes(n)
 
@@ -243,17 +243,13 @@ class RailAverager:
             # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
             mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / N
             assert isinstance(mean, torch.Tensor)
-            r = c.reduced_residual
-            if r is not None and r.numel() == n:  # (a different number of nodes starts afresh)
-                mean.add_(self._here(r, mean.device))
-            out = codec.encode(mean)
             if not feedback:
-                return out
-            left = mean.sub_(codec.decode(out, n))
-            if r is not None and r.numel() == n:
-                r.copy_(left, non_blocking=True)
-            else:
-                c.reduced_residual = self._store(left)
+                return codec.encode(mean)
+            r = c.reduced_residual
+            if r is not None and r.numel() != n:  # a different number of nodes starts afresh
+                r = None
+            out, left = ErrorFeedback(codec).encode(mean, self._maybe_here(r, mean.device))
+            c.reduced_residual = ErrorFeedback.keep(left, r, self._store)
             return out
 
         def decoded(f: torch.futures.Future) -> torch.Tensor:
@@ -373,7 +369,8 @@ class RailAverager:
                                 f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
                                 f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
                             )
-                        setattr(c, key, self._store(t.to(device=device, dtype=torch.float32, copy=True)))
+                        dtype = RESIDUAL_DTYPE if key.endswith("residual") else torch.float32
+                        setattr(c, key, self._store(t.to(device=device, dtype=dtype, copy=True)))
                 return
 
 

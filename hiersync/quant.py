@@ -9,7 +9,8 @@ collectives, DeepSpeed ZeRO++'s qgZ): an all-to-all of quantized pieces, a sum i
 a requantization, an all-gather (:meth:`hiersync.collectives.HierComm.average_quantized`).
 
 Error feedback: what the codes of a delta leave out is kept (:class:`ErrorFeedback`) and
-added to the next delta of the same shard, so over the windows nothing is lost, only late.
+added to the next delta of the same shard, so over the windows nothing is lost, only late
+(to the bf16 rounding it is kept in).
 Each rank keeps it for what it sends (its own shard) and for the piece it reduces.
 
 Pure torch (no process group): the reference quantizer of the tests is written apart, in
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .vocab import QUANT_BLOCK
+from .vocab import QUANT_BLOCK, RESIDUAL_BYTES
 
-__all__ = ["BlockCodec", "NoFeedback", "codec_for", "ErrorFeedback"]
+__all__ = ["BlockCodec", "NoFeedback", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
 
 _QMAX = {8: 127, 4: 7}
 
@@ -66,8 +67,10 @@ class BlockCodec:
             raise ValueError(f"encode needs a multiple of {self.block} values, got {n}")
         blocks = x.reshape(-1, self.block)
         scale = blocks.abs().amax(dim=1) / self.qmax
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round(blocks * inv.unsqueeze(1)).clamp_(-self.qmax, self.qmax)
+        # Divided, not multiplied by 1 / scale: a block of values near the smallest normal
+        # float has a subnormal scale whose reciprocal overflows (and 0 * inf is NaN).
+        s = scale.unsqueeze(1)
+        q = torch.where(s > 0, blocks / s, 0.0).round_().clamp_(-self.qmax, self.qmax)
         if self.bits == 8:
             codes = q.to(torch.int8).view(torch.uint8).reshape(-1)
         else:
@@ -114,19 +117,41 @@ def codec_for(compress: str) -> BlockCodec:
     return BlockCodec(bits=int(compress[3:]))
 
 
+RESIDUAL_DTYPE = torch.bfloat16
+"""What error feedback keeps between windows is stored in bf16. A residual is at most half a
+code's step and bf16 holds it to 2^-9 of itself, so a window loses ~1/500 of what its codes
+alone would (``benchmarks/quant_error.py`` measures it); fp32 residuals would cost 3/4 of
+the parameters' fp32 bytes per rank at 2 ranks per node, the whole of streaming's budget."""
+assert torch.finfo(RESIDUAL_DTYPE).bits == 8 * RESIDUAL_BYTES  # what the cost model prices
+
+
 class ErrorFeedback:
     """Encode with error feedback: ``x + residual`` is sent, what its codes miss is kept.
 
-    ``residual`` is an fp32 vector of the shard's padded length, updated in place, so that
-    after any number of windows ``sum(sent) + residual == sum(x)`` (to fp32 rounding).
+    ``pieces``: the vector is cut into that many pieces, each encoded on its own
+    (:meth:`BlockCodec.encode_pieces`). After any number of windows
+    ``sum(sent) + residual == sum(x)`` up to the bf16 rounding of each window's residual
+    (:data:`RESIDUAL_DTYPE`).
     """
 
-    def __init__(self, codec: BlockCodec) -> None:
-        self.codec = codec
+    def __init__(self, codec: BlockCodec, pieces: int = 1) -> None:
+        self.codec, self.pieces = codec, pieces
 
     def encode(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(packed, residual)``: the codes of ``x + residual`` and the new residual."""
-        e = x if residual is None else x.add_(residual)
-        packed = self.codec.encode(e)
-        residual = e.sub_(self.codec.decode(packed, e.numel()))  # in place on ``x``: it is not used again
-        return packed, residual
+        """``(packed, left)``: the codes of ``x + residual`` and what they leave out (fp32).
+
+        ``x`` is fp32 of a padded length and is overwritten (``left`` is a view of it); a
+        ``residual`` shorter than ``x`` covers its start (the shard before padding).
+        """
+        if residual is not None:
+            x[: residual.numel()].add_(residual)
+        packed = self.codec.encode_pieces(x, self.pieces)
+        return packed, x.sub_(self.codec.decode_pieces(packed, x.numel(), self.pieces))
+
+    @staticmethod
+    def keep(left: torch.Tensor, residual: torch.Tensor | None, store=lambda t: t) -> torch.Tensor:
+        """``left`` as the next residual: copied into ``residual`` (rounded to its dtype) where
+        there is one of its length, else ``store(left in RESIDUAL_DTYPE)``."""
+        if residual is not None and residual.numel() == left.numel():
+            return residual.copy_(left, non_blocking=True)
+        return store(left.to(RESIDUAL_DTYPE))

@@ -39,6 +39,7 @@ __all__ = [
     "default_intra_algorithm",
     "GATHER_PIECE_BYTES",
     "QUANT_BLOCK",
+    "RESIDUAL_BYTES",
     "COMPRESS_DTYPES",
     "COMPRESS_CODES",
     "NONFINITE_MODES",
@@ -178,6 +179,9 @@ fragment costs 4 collectives per rank instead of one per MiB."""
 
 QUANT_BLOCK = 128
 """Values per fp32 scale of an int8/int4 payload (:mod:`hiersync.quant`; docs/local-sgd.md)."""
+
+RESIDUAL_BYTES = 2
+"""Bytes per value of an error-feedback residual: bf16 (``hiersync.quant.RESIDUAL_DTYPE``)."""
 
 COMPRESS_DTYPES = ("bf16", "fp16")
 """16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""

@@ -59,15 +59,21 @@ def test_digits_ddp_and_k4_learn(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert abs(k4["final_test_acc"] - run["ddp"]["final_test_acc"]) < 5.0
 
 
+def test_lm_task_refuses_the_digits_only_flags() -> None:
+    with pytest.raises(SystemExit):
+        convergence.main(["--task", "lm", "--momentum", "0.5"])
+
+
 def test_lm_task_reports_final_losses_and_gaps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--task lm``: the char-LM trains under DDP and int4 streaming, the table gives per-seed losses,
     gaps to the references and bytes per sync; int4's link bytes are well under bf16's."""
     schedules = ["ddp", "k=4 stream bf16", "k=4 stream int4"]
     argv = ["--task", "lm", "--steps", "16", "--seeds", "0", "--eval-batches", "4", "--out", str(tmp_path)]
     argv += ["--schedules", *schedules, "--refs", "ddp", "k=4 stream bf16", "--dim", "32", "--text-mb", "0.5"]
-    assert convergence.main(argv) == 0
+    assert convergence.main([*argv, "--lr", "1e-3"]) == 0
     out = capsys.readouterr().out
     assert "| k=4 stream int4 |" in out and "vs k=4 stream bf16" in out
+    assert "AdamW lr 0.001," in out  # the shared flag reaches the LM
 
     data = json.loads((tmp_path / "convergence_lm.json").read_text())
     (run,) = data["runs"]

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hiersync.vocab import RESIDUAL_BYTES
+
 from . import compression
 from .links import check_count, check_number
 from .predict import node_profile, predict_all_gather, predict_allreduce, predict_reduce_scatter, rail_profile
@@ -70,7 +72,7 @@ class FsdpMemory:
     in_flight: float
     """Snapshots (and payloads) of the rank's shard of the fragments in flight."""
     residual: float = 0.0
-    """fp32 error-feedback residuals (int8/int4 compression): the rank's shard and the 1/N of it it re-encodes."""
+    """bf16 error-feedback residuals (int8/int4 compression): the rank's shard and the 1/N of it it re-encodes."""
     activations: float = 0.0
     """As given: the model's activations are not modelled."""
 
@@ -109,7 +111,7 @@ def fsdp_memory(
 
     ``param_bytes`` / ``grad_bytes``: per parameter (fp32: 4); ``optimizer_bytes``: optimizer
     state per parameter (AdamW: 8); ``anchor``: hiersync keeps an fp32 anchor (compression or an
-    outer optimizer); ``outer``: an outer optimizer (its momentum); ``error_feedback``: int8/int4's
+    outer optimizer); ``outer``: an outer optimizer (its momentum); ``error_feedback``: int8/int4's bf16
     residuals, the shard's and 1/``nodes`` of it (the piece the rank re-encodes; ``nodes=2``: the
     largest). Period 1 (HSDP) keeps no hiersync state.
     """
@@ -130,7 +132,9 @@ def fsdp_memory(
         anchor=shard_state if k > 1 and (anchor or outer) else 0.0,
         momentum=shard_state if k > 1 and outer else 0.0,
         in_flight=in_flight,
-        residual=shard_state * (1 + 1 / check_count("nodes", nodes)) if k > 1 and error_feedback else 0.0,
+        residual=shard_state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes))
+        if k > 1 and error_feedback
+        else 0.0,
         activations=check_number("activations_bytes", activations_bytes),
     )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hiersync.vocab import GATHER_PIECE_BYTES
+from hiersync.vocab import GATHER_PIECE_BYTES, RESIDUAL_BYTES
 
 from .links import check_count, check_number
 
@@ -43,7 +43,7 @@ class SyncMemory:
     gather: float
     """The node gather's reused buffer."""
     residual: float = 0.0
-    """fp32 error-feedback residuals of ``compress="int8"``/``"int4"``, what was not sent: the rank's
+    """bf16 error-feedback residuals of ``compress="int8"``/``"int4"``, what was not sent: the rank's
     shard and the 1/N of it that the rank re-encodes after the rail's sum."""
     sharded: bool
     """Whether the state is sharded 1/L (attached optimizer) or whole (in the hook)."""
@@ -72,7 +72,7 @@ def sync_memory(
     ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (the
     snapshot and payload follow it); ``attached``: an optimizer is attached (the state is
     sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on; ``error_feedback``: the
-    int8/int4 compression's fp32 residuals: one more state shard, plus 1/``nodes`` of it for the
+    int8/int4 compression's bf16 residuals: half a state shard, plus 1/``nodes`` of it for the
     piece the rank re-encodes (the default ``nodes=2`` is the largest that piece gets).
     """
     p = check_number("params", params, strict=True)
@@ -85,7 +85,7 @@ def sync_memory(
     state = p * FP32_BYTES * share
     anchor = state if (compress or outer) else 0.0
     momentum = state if outer else 0.0
-    residual = state * (1 + 1 / check_count("nodes", nodes)) if error_feedback else 0.0
+    residual = state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes)) if error_feedback else 0.0
     if not attached:  # the hook averages DDP's buckets in place
         return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, residual=residual, sharded=False)
     fragment = p * param_bytes / f
