@@ -112,18 +112,29 @@ def fsdp_check(cfg: dict) -> dict:
     ref_opt = ref_state._optimizer if cfg["reference"] == "ddp" else _optimizer(ref.parameters())
     worst = 0.0
     nodes_differed = False
+    # int8/int4: the codes' blocks follow each front-end's own shards (FSDP's per-parameter rows,
+    # the DDP front-end's flat split), so the two round differently: each side is within a few
+    # code steps of the exact average (error feedback carries the rest), and so is their gap.
+    qmax = {"int8": 127, "int4": 7}.get(cfg.get("compress") or "")
+    seen, max_move = [], 0.0
     for step in range(steps):
         _step(model, opt, step)
         _step(ref, ref_opt, step)
         mine, theirs = _full(model), _full(ref)
         worst = max(worst, float((mine - theirs).abs().max()))
-        torch.testing.assert_close(
-            mine,
-            theirs,
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, step=step: f"step {step} ({state.schedule.kind(step)}): {m}",
-        )
+        if qmax:
+            seen = [*seen[-cfg["period"] :], theirs]
+            max_move = max(max_move, *(float((theirs - s).abs().max()) for s in seen))
+            bound = 4 * max_move / qmax + 1e-6  # measured: about one step
+            assert float((mine - theirs).abs().max()) <= bound, (step, worst, max_move)
+        else:
+            torch.testing.assert_close(
+                mine,
+                theirs,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, step=step: f"step {step} ({state.schedule.kind(step)}): {m}",
+            )
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         nodes_differed |= any(not torch.equal(e, mine) for e in everyone)
@@ -139,6 +150,7 @@ def fsdp_check(cfg: dict) -> dict:
     return {
         "stats": stats,
         "worst": worst,
+        "max_move": max_move,
         "nodes_differed": nodes_differed,
         "synchronized": all(torch.equal(e, after) for e in everyone),
         "layout": state.engine.layout(),

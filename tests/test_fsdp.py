@@ -32,6 +32,9 @@ CASES = {
         reference="ddp", period=4, fragments=2, tau=1, average_optimizer_state=("exp_avg", "exp_avg_sq"), steps=9
     ),
     "state_on_host": dict(reference="ddp", period=2, tau=1, outer=(0.7, 0.9), state_device="cpu", steps=6),
+    # within the codes' steps, not 1e-5 (fsdp_ranks.fsdp_check): the blocks follow each front-end's shards
+    "streaming_int4": dict(reference="ddp", period=4, fragments=2, tau=1, compress="int4", steps=9),
+    "overlap_int8_outer": dict(reference="ddp", period=2, tau=1, compress="int8", outer=(0.7, 0.9), steps=6),
 }
 
 
@@ -52,8 +55,9 @@ def test_matches_reference(case, name):
             assert all(set(u) <= set(fragment) or not set(u) & set(fragment) for u in r["units"])
 
 
-def test_checkpoint_with_a_correction_in_flight_resumes_bitwise(tmp_path):
-    cfg = dict(period=2, tau=1, fragments=2, compress="bf16", outer=(0.7, 0.9))
+@pytest.mark.parametrize("compress", ["bf16", "int4"])  # int4: its error-feedback residuals too
+def test_checkpoint_with_a_correction_in_flight_resumes_bitwise(tmp_path, compress):
+    cfg = dict(period=2, tau=1, fragments=2, compress=compress, outer=(0.7, 0.9))
     node_ids, n = TOPOLOGIES["2x2"], 2  # a sync after step 1, applied after step 2: in flight at the save
     straight = launch(fsdp_ranks.fsdp_checkpoint_run, node_ids, cfg, "straight", str(tmp_path), n)
     launch(fsdp_ranks.fsdp_checkpoint_run, node_ids, cfg, "first", str(tmp_path), n)
