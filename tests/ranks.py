@@ -604,8 +604,12 @@ def nan_check(mode: str, period: int, warmup: int, nan_steps: list[int], steps: 
     torch.manual_seed(0)
     ddp = DDP(Net())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    stream = dict(fragments=period, overlap=1) if mode == "stream" else {}
-    state = hiersync.register(ddp, None if mode == "hook" else opt, period=period, warmup_steps=warmup, **stream)
+    options = {
+        "stream": dict(fragments=period, overlap=1),
+        "overlap": dict(overlap=1),
+        "overlap_int4": dict(overlap=1, compress="int4"),
+    }.get(mode, {})
+    state = hiersync.register(ddp, None if mode == "hook" else opt, period=period, warmup_steps=warmup, **options)
     sched = Schedule(period, warmup)
     unchanged_on_skip = []
     for step in range(steps):

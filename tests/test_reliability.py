@@ -63,7 +63,7 @@ def test_frozen_peer_times_out_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.usefixtures("nccl_mode")
-@pytest.mark.parametrize("mode", ["blocking", "hook", "overlap"])
+@pytest.mark.parametrize("mode", ["blocking", "hook", "overlap", "overlap_int4"])
 def test_nan_never_reaches_parameters(mode):
     # warmup 2 (exact), period 3: steps 2, 3 local, 4 sync, 5, 6 local, 7 sync
     nan_steps = [1, 3, 4]
