@@ -34,10 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hiersync.vocab import RESIDUAL_BYTES
-
 from . import compression
 from .links import check_count, check_number
+from .memory import FP32_BYTES, residual_bytes
 from .predict import node_profile, predict_all_gather, predict_allreduce, predict_reduce_scatter, rail_profile
 from .steptime import StepTime, simulate
 from .streaming import check_streaming, fragments_per_step, inter_bytes_per_rank, sync_stalls
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FP32_BYTES", "ADAMW_STATE_BYTES", "FSDP_SCHEDULES", "FsdpMemory", "fsdp_memory", "fsdp_step_time"]
 
-FP32_BYTES = 4
 ADAMW_STATE_BYTES = 8
 """AdamW keeps two fp32 tensors per parameter (exp_avg, exp_avg_sq)."""
 FSDP_SCHEDULES = ("hsdp", "hiersync", "intra_only")
@@ -132,9 +130,7 @@ def fsdp_memory(
         anchor=shard_state if k > 1 and (anchor or outer) else 0.0,
         momentum=shard_state if k > 1 and outer else 0.0,
         in_flight=in_flight,
-        residual=shard_state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes))
-        if k > 1 and error_feedback
-        else 0.0,
+        residual=residual_bytes(shard_state, nodes) if k > 1 and error_feedback else 0.0,
         activations=check_number("activations_bytes", activations_bytes),
     )
 

@@ -24,7 +24,7 @@ from hiersync.vocab import GATHER_PIECE_BYTES, RESIDUAL_BYTES
 
 from .links import check_count, check_number
 
-__all__ = ["FP32_BYTES", "GATHER_PIECE_BYTES", "SyncMemory", "sync_memory"]
+__all__ = ["FP32_BYTES", "GATHER_PIECE_BYTES", "SyncMemory", "sync_memory", "residual_bytes"]
 
 FP32_BYTES = 4
 """The anchor and the outer momentum are fp32 whatever the parameters' dtype."""
@@ -85,7 +85,7 @@ def sync_memory(
     state = p * FP32_BYTES * share
     anchor = state if (compress or outer) else 0.0
     momentum = state if outer else 0.0
-    residual = state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes)) if error_feedback else 0.0
+    residual = residual_bytes(state, nodes) if error_feedback else 0.0
     if not attached:  # the hook averages DDP's buckets in place
         return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, residual=residual, sharded=False)
     fragment = p * param_bytes / f
@@ -98,3 +98,9 @@ def sync_memory(
         residual=residual,
         sharded=True,
     )
+
+
+def residual_bytes(state: float, nodes: int) -> float:
+    """int8/int4's bf16 error-feedback residuals beside ``state`` bytes of fp32 state shard: one for
+    the shard the rank sends, one for the 1/``nodes`` of it the rank re-encodes after the rail's sum."""
+    return state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes))
