@@ -17,6 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
+from hiersync.quant import codec_for
+from hiersync.vocab import COMPRESS_CODES
 
 
 class Blocks(torch.nn.Module):
@@ -115,7 +117,8 @@ def fsdp_check(cfg: dict) -> dict:
     # int8/int4: the codes' blocks follow each front-end's own shards (FSDP's per-parameter rows,
     # the DDP front-end's flat split), so the two round differently: each side is within a few
     # code steps of the exact average (error feedback carries the rest), and so is their gap.
-    qmax = {"int8": 127, "int4": 7}.get(cfg.get("compress") or "")
+    compress = cfg.get("compress")
+    qmax = codec_for(compress).qmax if compress in COMPRESS_CODES else None
     seen, max_move = [], 0.0
     for step in range(steps):
         _step(model, opt, step)
