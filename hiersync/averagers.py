@@ -465,23 +465,17 @@ class ShardedNodeAverager(RailAverager):
 
     The registry holds the sharded parameters (DTensors); a position's tensor here is its
     local shard, which lines up with the same local rank's on every node when all nodes
-    have L ranks. ``units``: the registry positions of each FSDP module (a fragment holds
-    whole units) and their full size in fp32 bytes.
+    have L ranks. A position's unit is its whole parameter (``numel`` of a DTensor is the
+    full tensor's), so a model has the same fragments here as on a node of replicas.
     """
 
-    def __init__(
-        self, comm: Any, registry: Registry, *, units: list[tuple[list[int], int]] | None = None, **options: Any
-    ) -> None:
+    def __init__(self, comm: Any, registry: Registry, **options: Any) -> None:
         super().__init__(comm, registry, **options)
         self.index = comm.groups.local_rank
-        self._units = units if units is not None else super().units()
 
     def local(self, i: int) -> torch.Tensor:
         p = self.params[i]
         return p.to_local() if hasattr(p, "to_local") else p
-
-    def units(self) -> list[tuple[list[int], int]]:
-        return self._units
 
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         return [self.local(i).numel() * 4 for i in indices]

@@ -98,7 +98,13 @@ class SyncState:
     def _use(self, averager: Averager) -> None:
         """Build the engine over the front-end's averager."""
         cfg = self.config
-        self.engine = CrossNodeSync(averager, cfg.schedule, overlap=cfg.overlap, chunk_bytes=cfg.chunk_bytes)
+        self.engine = CrossNodeSync(
+            averager,
+            cfg.schedule,
+            overlap=cfg.overlap,
+            chunk_bytes=cfg.chunk_bytes,
+            model_positions=lambda: state_io.model_positions(self),
+        )
 
     # ------------------------------------------------------------------ public
     @property

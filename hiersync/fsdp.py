@@ -11,7 +11,8 @@ rails (local rank ``l`` of every node holds the same shard of every parameter):
 * *sync* steps: after ``optimizer.step()`` each rank averages its own parameter shards on
   its rail (blocking, overlapped or streaming, with every option of the DDP front-end);
   the local-SGD state is that of the rank's shard by construction, nothing is gathered.
-  Fragments hold whole FSDP units (the modules ``fully_shard`` was called on).
+  Fragments are whole parameters packed in ``model.parameters()`` order, as on the DDP
+  front-end, so the two front-ends stream the same fragments of the same model.
 
 Example::
 
@@ -28,7 +29,7 @@ Not run on a GPU yet (docs/fsdp.md): the CUDA path follows docs/design.md's stre
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from .ddp_checks import check_usable
 from .frontend import SyncState
 from .futures import wait
 from .guard import flag
-from .localsgd import Registry, chunk_by_bytes, options_of
+from .localsgd import chunk_by_bytes, options_of
 from .sync import world_mean
 from .topology import Topology
 from .vocab import StepKind
@@ -90,24 +91,6 @@ def node_mesh(device_type: str | None = None) -> Any:
     return DeviceMesh(device_type, grid, mesh_dim_names=("node", "local"))["local"]
 
 
-def _units(model: torch.nn.Module, registry: Registry) -> list[tuple[list[int], int]]:
-    """Registry positions of each FSDP unit (a module ``fully_shard`` was called on, less the
-    units inside it) and their full fp32 bytes, by first position."""
-    from torch.distributed.fsdp import FSDPModule
-
-    positions = {id(p): i for i, p in enumerate(registry.params)}
-    units: list[tuple[list[int], int]] = []
-    seen: set[int] = set()
-    for m in reversed(list(model.modules())):  # inner units first: an outer one keeps what is left
-        if not isinstance(m, FSDPModule):
-            continue
-        mine = [positions[id(p)] for p in m.parameters() if id(p) in positions and id(p) not in seen]
-        seen.update(id(p) for p in m.parameters())
-        if mine:
-            units.append((sorted(mine), sum(4 * registry.params[i].numel() for i in mine)))
-    return sorted(units, key=lambda u: u[0][0])
-
-
 class FSDPState(SyncState):
     """hiersync's state for an FSDP2 model. Collective: every rank builds it, in the same order.
 
@@ -129,15 +112,7 @@ class FSDPState(SyncState):
         params = [p for p in model.parameters() if p.requires_grad]
         self.registry.register(params)
         cfg = self.config
-        self._use(
-            ShardedNodeAverager(
-                self.comm,
-                self.registry,
-                units=_units(model, self.registry),
-                state_device=cfg.state_device,
-                **options_of(cfg),
-            )
-        )
+        self._use(ShardedNodeAverager(self.comm, self.registry, state_device=cfg.state_device, **options_of(cfg)))
         self._flags: list[torch.Tensor] = []
         self._model = model
         self._fsdp_modules: list[Any] = [m for m in model.modules() if is_fsdp2(m)]
@@ -184,9 +159,9 @@ class FSDPState(SyncState):
         """
         model = model if model is not None else self._model
         assert model is not None
-        self.drain()
+        self.drain()  # resharded: the parameters are the DTensor shards
         with torch.no_grad(), record_function("hiersync/synchronize"):
-            shards = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+            shards = [cast(Any, p).to_local() for p in model.parameters()]
             for idx in chunk_by_bytes([t.numel() * 4 for t in shards], self.config.chunk_bytes):
                 chunk = [shards[i] for i in idx]
                 flat = torch.cat([t.detach().reshape(-1).float() for t in chunk])
@@ -197,6 +172,15 @@ class FSDPState(SyncState):
                     offset += t.numel()
             buffers = [b for b in model.buffers() if b.is_floating_point()]
             world_mean(self.comm, buffers, self.config.chunk_bytes)
+
+    def drain(self) -> None:
+        """Wait for every cross-node sync in flight and apply it to the parameter shards. Collective."""
+        # A forward without a backward (evaluation) leaves the root unit unsharded (its
+        # reshard_after_forward defaults to False): writes into the shards would not reach that
+        # copy, and the next forward would train on it. Free it first.
+        for m in self._fsdp_modules:
+            m.reshard()
+        super().drain()
 
     def close(self) -> None:
         """Remove hiersync's hooks (FSDP2's all-reduce hooks included) and destroy its groups."""

@@ -87,8 +87,9 @@ class FaultTolerantSync(CrossNodeSync):
         chunk_bytes: int,
         windows: Windows,
         quorum: Callable[[Marker], Window | None],
+        model_positions: Callable[[], Sequence[int] | None] | None = None,
     ) -> None:
-        super().__init__(averager, schedule, overlap=overlap, chunk_bytes=chunk_bytes)
+        super().__init__(averager, schedule, overlap=overlap, chunk_bytes=chunk_bytes, model_positions=model_positions)
         self.windows = windows
         self.quorum = quorum
 
@@ -244,6 +245,7 @@ class FaultTolerantState(HierState):
             chunk_bytes=cfg.chunk_bytes,
             windows=self.windows,
             quorum=self._engine_quorum,
+            model_positions=lambda: state_io.model_positions(self),
         )
 
     def join(self, start_nodes: int = 1) -> None:

@@ -102,8 +102,8 @@ class Schedule:
 def fragment_layout(sizes: list[int], fragments: int, what: str = "parameter tensors") -> list[list[int]]:
     """Split tensors of ``sizes`` (bytes, in registry order) into ``fragments`` lists of indices.
 
-    Items (parameter tensors, or FSDP units) are never cut: per-tensor state stays simple,
-    and an FSDP unit is a natural fragment. Each tensor goes, in order, to the fragment holding the fewest bytes so far
+    Items (parameter tensors) are never cut: per-tensor state stays simple. Each tensor
+    goes, in order, to the fragment holding the fewest bytes so far
     (ties: the lowest index): consecutive layers land in different fragments, the strided
     pattern Streaming DiLoCo found better than contiguous blocks, and the fragments hold
     about equal bytes. Deterministic, so identical on every rank.

@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from .frontend import SyncState
 
-__all__ = ["save", "load", "bootstrap_registry", "check_loaded_shapes", "FORMAT"]
+__all__ = ["save", "load", "bootstrap_registry", "check_loaded_shapes", "model_positions", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def save(state: SyncState) -> dict[str, Any]:
         "world_size": state.world_size,
         "nodes": [list(n) for n in state.topology.nodes],
         "param_shapes": [tuple(p.shape) for p in state.registry.params],
-        "model_positions": _model_positions(state),
+        "model_positions": model_positions(state),
         "hook": state.hook_averager.state() if state.hook_averager is not None else None,
         **engine,
         "stats": state.stats.as_dict(),
@@ -158,7 +158,7 @@ def _check_shapes(loaded: dict[str, Any], params: list[torch.Tensor]) -> None:
         )
 
 
-def _model_positions(state: SyncState) -> list[int] | None:
+def model_positions(state: SyncState) -> list[int] | None:
     """Each registry position's index in ``model.parameters()``, or None without a model."""
     if state._model is None or not state.registry.params:
         return None

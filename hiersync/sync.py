@@ -97,7 +97,8 @@ class Averager(Protocol):
         ...
 
     def units(self) -> list[tuple[list[int], int]]:
-        """Indivisible groups of positions with their bytes (fp32, whole model), for the fragments."""
+        """Indivisible groups of positions (one parameter tensor each) with their bytes (fp32,
+        whole tensor), for the fragments."""
         ...
 
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
@@ -155,23 +156,42 @@ class CrossNodeSync:
     blocking, tau >= 1 applies it ``tau`` steps after its launch.
     """
 
-    def __init__(self, averager: Averager, schedule: Schedule, *, overlap: int, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        averager: Averager,
+        schedule: Schedule,
+        *,
+        overlap: int,
+        chunk_bytes: int,
+        model_positions: Callable[[], Sequence[int] | None] | None = None,
+    ) -> None:
         self.averager = averager
         self.schedule = schedule
         self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
+        self.model_positions = model_positions
+        """Each registry position's index in ``model.parameters()`` (None: unknown). The fragments
+        are packed in the model's order, so both front-ends stream the same fragments."""
         self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
         self._layout: list[list[int]] | None = None
         self._forward_hook: Any = None
 
     def layout(self) -> list[list[int]]:
-        """Registry positions of each fragment (computed once every parameter is registered)."""
+        """Registry positions of each fragment (computed once every parameter is registered).
+
+        The units (parameter tensors) are packed in the order of ``model.parameters()`` where
+        the state knows the model, else in registry order (DDP's first bucket order): the
+        DDP and FSDP2 front-ends then give the same model the same fragments.
+        """
         if self._layout is None:
             units = self.averager.units()
             if not units:  # nothing registered yet: nothing to average (and nothing cached)
                 return [[] for _ in range(self.schedule.fragments)]
-            packed = fragment_layout([size for _, size in units], self.schedule.fragments, what="units")
+            where = self.model_positions() if self.model_positions is not None else None
+            if where:
+                units = sorted(units, key=lambda u: min(where[i] for i in u[0]))
+            packed = fragment_layout([size for _, size in units], self.schedule.fragments)
             self._layout = [sorted(i for u in f for i in units[u][0]) for f in packed]
         return self._layout
 

@@ -9,8 +9,8 @@ The words for the cross-node sync, used the same way in code, docs and tests:
 
 * *node*, *local rank*, *L*, *N*, *intra group*, *rail*: :mod:`hiersync.topology`.
 * *fragment*: a set of whole parameters that sync together (streaming splits the model into
-  F fragments on staggered steps; F = 1 is the whole model). With FSDP2 a fragment holds
-  whole FSDP units.
+  F fragments on staggered steps; F = 1 is the whole model). The same model has the same
+  fragments on the DDP and FSDP2 front-ends (packed in ``model.parameters()`` order).
 * *chunk*: one transfer, at most ``chunk_mb`` of a fragment's parameters (fp32), in the same
   order on every rank.
 * *shard*: the part of a chunk one rank averages on its rail and keeps the state of (anchor,

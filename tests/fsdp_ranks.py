@@ -22,7 +22,7 @@ from hiersync.vocab import COMPRESS_CODES
 
 
 class Blocks(torch.nn.Module):
-    """Four small blocks: each is one FSDP unit, so up to four fragments."""
+    """Three blocks and a head: each one FSDP unit (the head may stay in the root's); 8 parameters."""
 
     def __init__(self, width: int = 12) -> None:
         super().__init__()
@@ -52,8 +52,9 @@ def _options(cfg: dict) -> dict:
     )
 
 
-def _shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    for m in [*model.blocks, model.head]:
+def _shard(model: torch.nn.Module, mesh, root_params: bool = False) -> torch.nn.Module:
+    """Each block and the head one unit; ``root_params``: the head stays in the root unit."""
+    for m in [*model.blocks] + ([] if root_params else [model.head]):
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -76,21 +77,6 @@ def _full(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in parts])
 
 
-def _same_layout(ddp_state, ddp: DDP, fsdp_state, model: torch.nn.Module) -> None:
-    """Give the DDP front-end the FSDP front-end's fragments (its own are per tensor, not per unit)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    cached: list = []
-
-    def layout() -> list[list[int]]:
-        if not cached:
-            name_of = {id(p): n for n, p in ddp.module.named_parameters()}
-            where = {name_of[id(p)]: i for i, p in enumerate(ddp_state.registry.params)}
-            cached.extend(sorted(where[names[i]] for i in frag) for frag in fsdp_state.engine.layout())
-        return cached
-
-    ddp_state.engine.layout = layout
-
-
 def fsdp_check(cfg: dict) -> dict:
     """hiersync over FSDP2 against ``cfg["reference"]``: "hsdp" (FSDP2's own HSDP) or "ddp"
     (hiersync's DDP front-end with the same options), compared after every step."""
@@ -98,7 +84,7 @@ def fsdp_check(cfg: dict) -> dict:
     mesh = hiersync.node_mesh()
     torch.manual_seed(0)
     base = Blocks()
-    model = _shard(copy.deepcopy(base), mesh)
+    model = _shard(copy.deepcopy(base), mesh, root_params=cfg.get("eval_before_sync", False))
     opt = _optimizer(model.parameters())
     state = hiersync.register(model, opt, **_options(cfg))
     if cfg["reference"] == "hsdp":
@@ -110,7 +96,6 @@ def fsdp_check(cfg: dict) -> dict:
     else:
         ref = DDP(copy.deepcopy(base))
         ref_state = hiersync.register(ref, _optimizer(ref.parameters()), **_options(cfg))
-        _same_layout(ref_state, ref, state, model)
     ref_opt = ref_state._optimizer if cfg["reference"] == "ddp" else _optimizer(ref.parameters())
     worst = 0.0
     nodes_differed = False
@@ -142,12 +127,26 @@ def fsdp_check(cfg: dict) -> dict:
         dist.all_gather(everyone, mine)
         nodes_differed |= any(not torch.equal(e, mine) for e in everyone)
     stats = state.stats.as_dict()
-    state.drain()  # the corrections in flight land first (with an outer step they move the mean)
-    world_mean = _full(model)
-    dist.all_reduce(world_mean)
-    state.synchronize(model)
+    in_flight = len(state.engine.in_flight)
+    if cfg["reference"] == "hsdp":
+        want = _full(model)
+        dist.all_reduce(want)
+        want /= dist.get_world_size()
+    if cfg.get("eval_before_sync"):  # leaves the root unit (the head) unsharded: reshard_after_forward=False
+        with torch.no_grad():
+            model(batch(steps)[0])
+    state.synchronize(model)  # with corrections still in flight
+    for m in model.modules():  # the shards, not a copy FSDP2 may still hold unsharded
+        if hiersync.fsdp.is_fsdp2(m):
+            m.reshard()
     after = _full(model)
-    torch.testing.assert_close(after, world_mean / dist.get_world_size(), rtol=1e-5, atol=1e-6)
+    if cfg["reference"] == "ddp":
+        ref_state.synchronize(ref)
+        want = _full(ref)
+    if qmax:  # each front-end rounds its own blocks (see above)
+        assert float((after - want).abs().max()) <= 4 * max_move / qmax + 1e-6
+    else:
+        torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-6)
     everyone = [torch.empty_like(after) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, after)
     return {
@@ -155,10 +154,18 @@ def fsdp_check(cfg: dict) -> dict:
         "worst": worst,
         "max_move": max_move,
         "nodes_differed": nodes_differed,
+        "in_flight_at_synchronize": in_flight,
         "synchronized": all(torch.equal(e, after) for e in everyone),
         "layout": state.engine.layout(),
-        "units": [u for u, _ in state.engine.averager.units()],
+        "reference_layout": _layout_by_name(ref_state, ref) if cfg["reference"] == "ddp" else None,
+        "fsdp_layout": _layout_by_name(state, model),
     }
+
+
+def _layout_by_name(state, model: torch.nn.Module) -> list[list[str]]:
+    """Each fragment's parameter names (the two front-ends number their parameters differently)."""
+    name = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
+    return [sorted(name[id(state.registry.params[i])] for i in f) for f in state.engine.layout()]
 
 
 def fsdp_checkpoint_run(cfg: dict, phase: str, folder: str, n: int) -> list:
@@ -237,7 +244,7 @@ def fsdp_bad_setup(case: str) -> str:
             hiersync.register(model, None, period=2)
         elif case == "too_many_fragments":
             _shard(model, hiersync.node_mesh())
-            state = hiersync.register(model, _optimizer(model.parameters()), period=8, fragments=5)
+            state = hiersync.register(model, _optimizer(model.parameters()), period=9, fragments=9)
             state.engine.layout()
     except (ValueError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"

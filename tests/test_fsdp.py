@@ -3,8 +3,9 @@
 ``fsdp_ranks.fsdp_check`` asserts after every step, on every rank, that hiersync over an
 FSDP2 model equals its reference to rtol 1e-5: FSDP2's own HSDP on a (node, local) mesh
 for exact steps, and hiersync's DDP front-end with the same options and the same
-fragments for period k. Here: what the runs return, checkpoints, and the set-ups that
-must be refused with the fix named.
+fragments (packed in the model's parameter order by both) for period k; ``synchronize``
+with corrections still in flight against the reference's. Here: what the runs return,
+checkpoints, and the set-ups that must be refused with the fix named.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ CASES = {
     "exact_equals_hsdp": dict(reference="hsdp", period=1, steps=4),
     "warmup_then_blocking": dict(reference="ddp", period=3, warmup=2, steps=8),
     "overlap": dict(reference="ddp", period=3, tau=1, steps=8),
-    "streaming": dict(reference="ddp", period=4, fragments=4, tau=1, steps=9),
+    # 11 steps: the fragment that syncs after step 10 is still in flight when synchronize() is called
+    "streaming": dict(reference="ddp", period=4, fragments=4, tau=1, steps=11, in_flight=True),
+    # an evaluation forward before synchronize() leaves the root unit unsharded
+    "streaming_eval_then_synchronize": dict(
+        reference="ddp", period=4, fragments=4, tau=2, steps=10, eval_before_sync=True, in_flight=True
+    ),
     "streaming_blocking_bf16": dict(reference="ddp", period=4, fragments=2, compress="bf16", steps=9),
     "streaming_outer_bf16": dict(
         reference="ddp", period=4, fragments=2, tau=2, compress="bf16", outer=(0.7, 0.9), steps=9
@@ -50,9 +56,10 @@ def test_matches_reference(case, name):
         if cfg["period"] > 1:
             assert r["nodes_differed"], "between syncs the nodes should drift apart"
             assert r["stats"]["sync_steps"] > 0
-        # fragments hold whole FSDP units
-        for fragment in r["layout"]:
-            assert all(set(u) <= set(fragment) or not set(u) & set(fragment) for u in r["units"])
+        if cfg["reference"] == "ddp":  # the same fragments as the DDP front-end's for the same model
+            assert r["fsdp_layout"] == r["reference_layout"]
+        if cfg.get("in_flight"):
+            assert r["in_flight_at_synchronize"] > 0, "synchronize() should have met a correction in flight"
 
 
 @pytest.mark.parametrize("compress", ["bf16", "int4"])  # int4: its error-feedback residuals too
@@ -79,7 +86,7 @@ BAD = {
     "uneven_register": ("uneven", "ValueError", "equal numbers of ranks"),
     "fsdp1": ("2x2", "TypeError", "not FSDP1"),
     "no_optimizer": ("2x2", "TypeError", "needs the optimizer"),
-    "too_many_fragments": ("2x2", "ValueError", "fragments=5 but the model has only 4 units"),
+    "too_many_fragments": ("2x2", "ValueError", "fragments=9 but the model has only 8 parameter tensors"),
 }
 
 

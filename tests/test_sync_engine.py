@@ -59,9 +59,8 @@ def _engine(kind: str, cfg: dict, params: list[torch.Tensor]) -> CrossNodeSync:
     comm, registry = _Comm(kind == "sharded"), Registry()
     registry.register(params)
     opts = dict(compress=cfg.get("compress"), outer_lr=cfg.get("outer_lr"), outer_momentum=cfg.get("mu", 0.0))
-    if kind == "sharded":  # units of two parameters (an FSDP module's weight and bias), then one
-        units = [([0, 1], 44), ([2, 3], 44), ([4], 12)]
-        averager = ShardedNodeAverager(comm, registry, units=units, **opts)
+    if kind == "sharded":
+        averager = ShardedNodeAverager(comm, registry, **opts)
     else:
         averager = ReplicatedNodeAverager(comm, registry, **opts)
     schedule = Schedule(period=cfg["period"], warmup_steps=cfg.get("warmup", 0), fragments=cfg["fragments"])
@@ -213,8 +212,6 @@ def _ids(cfg: dict) -> str:
 @pytest.mark.parametrize("cfg", CASES, ids=_ids)
 def test_engine_matches_reference(cfg, options, kind):
     cfg = dict(cfg, **OPTIONS[options])
-    if kind == "sharded" and cfg["fragments"] > 3:
-        cfg["fragments"] = 3  # three FSDP units
     got, want, _ = _run(kind, cfg, steps=11)
     for i, (g, w) in enumerate(zip(got, want)):
         _assert_close(g, w, f"parameter {i}")
@@ -244,10 +241,18 @@ def test_checkpoint_with_corrections_in_flight_resumes_bitwise(kind, save_at):
         assert torch.equal(a, b)
 
 
-def test_fragments_hold_whole_units_of_about_equal_bytes():
-    engine = _engine("sharded", dict(period=4, fragments=2, tau=1), _params())
-    assert engine.layout() == [[0, 1, 4], [2, 3]]  # units ([0, 1], 44 B), ([2, 3], 44 B), ([4], 12 B)
-    assert fragment_layout([44, 44, 12], 2) == [[0, 2], [1]]
+@pytest.mark.parametrize("kind", ["replicated", "sharded"])
+def test_fragments_follow_the_models_parameter_order(kind):
+    """Whole parameters of about equal bytes, packed in ``model.parameters()`` order where the
+    state knows the model (registry order otherwise): both front-ends get the same fragments."""
+    engine = _engine(kind, dict(period=4, fragments=2, tau=1), _params())
+    in_registry_order = fragment_layout([4 * n for n in SIZES], 2)
+    assert engine.layout() == in_registry_order
+    model_index = list(reversed(range(len(SIZES))))  # DDP registers the last layers first
+    engine = _engine(kind, dict(period=4, fragments=2, tau=1), _params())
+    engine.model_positions = lambda: model_index
+    packed = fragment_layout([4 * n for n in reversed(SIZES)], 2)  # in model order
+    assert engine.layout() == [sorted(model_index[j] for j in f) for f in packed]
 
 
 def test_sync_sends_only_the_due_fragments():
