@@ -17,7 +17,9 @@ of a joiner from a live peer do is torchft's; hiersync maps its schedule onto th
   with the Manager and hiersync's state (step, anchors, outer momentum) from a live peer,
   and resumes at that peer's place in the schedule. The corrections its peer still has in
   flight belong to the peer's own parameters; the joiner holds the peer's parameters and
-  its next sync of each fragment brings it to the common average.
+  its next sync of each fragment brings it to the common average. A node that asks for its
+  first quorum after every other node of the run has stopped (the survivors finished) has
+  nobody to heal from: it is alone in that quorum, trains from its own state, and says so.
 
 Example::
 
@@ -277,7 +279,29 @@ class FaultTolerantState(HierState):
                 window.participants,
                 start_nodes,
             )
+        if self.rank == 0 and self._left_behind(window):
+            logger.warning(
+                "hiersync: no live peer to heal from: this node's first torchft quorum (%d) holds this node alone, "
+                "though the Lighthouse formed quorums with other nodes before, and those nodes are gone (finished or "
+                "dead). If this node was restarted to rejoin their run, it did not: it trains from its own fresh "
+                "state from step %d. A restarted node rejoins a run only while another node of the run still "
+                "trains; a run whose nodes all stopped resumes from a checkpoint loaded before hiersync.register() "
+                "(docs/fault-tolerance.md). The first node of a new job on a Lighthouse that served an earlier job "
+                "can ignore this",
+                window.quorum_id,
+                self.step,
+            )
         self._resume(window)
+
+    def _left_behind(self, window: Window) -> bool:
+        """Whether a fresh node's first quorum says that the run it restarts in has no live node left.
+
+        The Lighthouse numbers its quorums from 1 and moves on only when the members change: a
+        node alone and not healed in quorum 2 or later comes after other nodes that are all
+        gone now. A run's first node (quorum 1) and a node healed from a live peer are not.
+        """
+        heals = self.stats.heals  # type: ignore[attr-defined]
+        return window.participants == 1 and window.quorum_id > 1 and heals == 0 and self.step == 0
 
     # ------------------------------------------------------------------ quorums
     def _model_device(self) -> torch.device:
@@ -363,8 +387,18 @@ class FaultTolerantState(HierState):
         self._exact_window = None
         self._healed = True
         self.stats.heals += 1  # type: ignore[attr-defined]
-        log = logger.info if self.step == 0 else logger.warning  # torchft's init_sync heals every node at the start
-        log("hiersync: rank %d was recovered from a live peer; it resumes at %s", self.rank, self._marker.describe())
+        if self.step == 0:  # torchft's init_sync heals every node but the first at the start
+            logger.info("hiersync: rank %d was recovered from a live peer at the start of training", self.rank)
+            return
+        logger.warning(
+            "hiersync: rank %d was recovered from a live peer; it resumes at %s, with state.step = %d: drive the "
+            "training loop by the step (while state.step < steps), as a loop over range(steps) would train %d "
+            "steps past its peers",
+            self.rank,
+            self._marker.describe(),
+            self.step,
+            self.step,
+        )
 
     # ------------------------------------------------------------------ the step
     def _begin_step(self) -> StepKind:

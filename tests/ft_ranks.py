@@ -9,6 +9,7 @@ sync in flight when it dies).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -54,6 +55,25 @@ def _start_barrier(path: str | None, nodes: int) -> None:
         time.sleep(0.02)
 
 
+def _wait_for(path: str, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not come within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+class _Warnings(logging.Handler):
+    """hiersync's warnings on this rank (what a user sees in the log)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _optimizer(cfg: dict[str, Any], params: Any) -> torch.optim.Optimizer:
     if cfg.get("adam"):
         return torch.optim.Adam(params, lr=cfg.get("lr", 0.01))
@@ -82,8 +102,16 @@ def train_plain(cfg: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train ``cfg["steps"]`` steps with hiersync on the torchft manager; record parameters per step."""
+    """Train ``cfg["steps"]`` steps with hiersync on the torchft manager; record parameters per step.
+
+    ``announce``: a file this node creates right before it registers (a restarted node says it
+    is up); ``hold``: ``{"step": s, "path": p}``, wait before step ``s`` until ``p`` exists (the
+    survivors are still training when the restarted node asks for its first quorum);
+    ``final_synchronize``: end with ``state.synchronize`` (the result's ``final``).
+    """
     node, rank = ft_nodes.node_index(), dist.get_rank()
+    warned = _Warnings()
+    logging.getLogger("hiersync").addHandler(warned)
     model = tiny_model()
     ddp = DDP(model)
     opt = _optimizer(cfg, ddp.parameters())
@@ -103,6 +131,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         except hiersync.HierSyncError as e:
             return {"error": str(e)}
         return {"error": None}
+    if cfg.get("announce") and rank == 0:
+        open(cfg["announce"], "w").close()
     state = hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
     first = state.step
     joined = flat(model)  # after the first quorum: a joiner healed at a sync already ran it
@@ -117,6 +147,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             os.kill(os.getpid(), signal.SIGKILL)
         if s == cfg.get("checkpoint_at"):
             state.load_state_dict(state.state_dict())
+        hold = cfg.get("hold")
+        if hold and s == hold["step"]:
+            _wait_for(hold["path"], "the restarted node")
         x, y = batch(node, rank, s)
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -125,9 +158,21 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         records.append((s, flat(model), state.stats.sync_participants))
         ft_nodes.progress(s, loss=f"{loss.item():.6f}")
         time.sleep(cfg.get("step_sleep", 0.0))
+    final = None
+    if cfg.get("final_synchronize"):
+        state.synchronize(ddp)
+        final = flat(model)
     stats = state.stats.as_dict()
     mgr.shutdown(wait=False)
-    return {"first": first, "joined": joined, "records": records, "stats": stats}
+    return {
+        "first": first,
+        "joined": joined,
+        "records": records,
+        "stats": stats,
+        "final": final,
+        "last_step": state.step,
+        "warnings": warned.messages,
+    }
 
 
 def _signal_on_next_sync(state: Any, after_step: int, sig: int) -> None:

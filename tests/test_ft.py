@@ -8,7 +8,9 @@ against a reference run in this process of the surviving nodes' local SGD on the
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -47,6 +49,7 @@ def test_no_failure_equals_reference(tmp_path):
         for s in range(cfg["steps"]):
             torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"node {n} step {s}")
         assert out[n][0]["stats"]["failed_syncs"] == 0
+        assert not out[n][0]["warnings"], out[n][0]["warnings"]  # a job's first nodes have nothing to warn about
 
 
 def _first_sync_of_joiner(result, schedule) -> tuple[int, torch.Tensor]:
@@ -158,6 +161,130 @@ def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path):
     torch.testing.assert_close(params, got[0][step], **TOL)
 
 
+def _restart_after_death(nodes: Nodes, node: int, delay: float, fn, cfg) -> None:
+    """Start ``node`` again ``delay`` s after every rank of its first incarnation is gone."""
+    while any(p.exitcode is None for p in nodes.nodes[node].procs):
+        nodes._raise_failed()
+        time.sleep(0.02)
+    time.sleep(delay)
+    nodes.start(node, fn, (cfg,))
+
+
+def _check_joiner_equals_survivors(out, joiner_first: int, steps: int, exact_syncs: bool) -> None:
+    """From its first sync on the joiner is one of them: equal after every blocking sync, the same
+    final step, and after the final synchronize() every node holds the same parameters."""
+    from hiersync.schedule import Schedule
+
+    joiner = out[2][0]
+    if exact_syncs:
+        step, params = _first_sync_of_joiner(joiner, Schedule(period=2))
+        assert step == joiner_first - 1, (step, joiner_first)  # healed into that sync (or synchronize) in register()
+        for n in (0, 1):
+            torch.testing.assert_close(params, _by_step(out[n][0])[step], **TOL, msg=f"first sync: joiner vs node {n}")
+            for s, p, _ in joiner["records"]:
+                if Schedule(period=2).kind(s) == "sync":
+                    torch.testing.assert_close(p, _by_step(out[n][0])[s], **TOL, msg=f"step {s}: joiner vs node {n}")
+    for n in (0, 1, 2):
+        assert out[n][0]["last_step"] == steps, (n, out[n][0]["last_step"])
+        torch.testing.assert_close(out[n][0]["final"], out[0][0]["final"], rtol=0, atol=0, msg=f"node {n} final")
+
+
+@pytest.mark.parametrize("hold_at", [10, 15], ids=["survivors-mid-run", "survivors-last-step"])
+def test_restarted_node_heals_at_its_first_quorum(tmp_path, hold_at):
+    """A user's kill and restart: 3 nodes x 1 rank, period 2, 16 steps, node 2 SIGKILLed after step 5 and
+    started again 3 s later as a fresh process (its own initial model) while the survivors still train
+    (they wait at step ``hold_at`` until it is up, so a slow start cannot make them finish first). At its
+    first quorum it takes a live peer's parameters and step, then equals them after every sync and
+    finishes at their step; a restart as late as their last step still makes it one of them."""
+    kill_at = 6  # dies before step 6: after step 5 and its sync
+    up = str(tmp_path / "restarted-node-is-up")
+    cfg = _cfg(
+        tmp_path,
+        3,
+        steps=16,
+        step_sleep=0.2,
+        options={"period": 2},
+        kill={"node": 2, "step": kill_at, "how": "local"},
+        hold={"step": hold_at, "path": up},
+        final_synchronize=True,
+    )
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        restart = dict(cfg, start_barrier=None, kill={}, hold=None, announce=up)
+        _restart_after_death(nodes, 2, 3.0, ft_ranks.train, restart)
+        out = nodes.wait([0, 1, 2], timeout=120)
+    joiner = out[2][0]
+    # the survivors' step at the quorum it joined: the first sync after the kill with 3 nodes
+    survivor = out[0][0]
+    syncs = [(s, n) for s, _, n in survivor["records"] if s >= kill_at and s % 2 == 1]  # period 2: odd steps
+    joined_at = next((s + 1 for s, n in syncs if n == 3), survivor["last_step"])
+    assert joiner["stats"]["heals"] == 1 and joiner["first"] == joined_at > kill_at, (joiner["first"], joined_at)
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s < kill_at else [0, 1])
+    for n in (0, 1):
+        got = _by_step(out[n][0])
+        for s in range(joined_at - 1):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+    _check_joiner_equals_survivors(out, joiner["first"], 16, exact_syncs=True)
+    assert any(f"state.step = {joined_at}" in w for w in joiner["warnings"]), joiner["warnings"]
+    assert not any("no live peer" in w for n in range(3) for w in out[n][0]["warnings"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"period": 2}, {"period": 4, "fragments": 4, "overlap": 1}],
+    ids=["period2", "streaming-overlapped"],
+)
+def test_node_restarted_while_survivors_are_mid_sync_joins_that_sync(tmp_path, options):
+    """torchft's default Lighthouse (a node is dead after 5 s without a heartbeat): node 2 dies after
+    step 5; the survivors' next sync waits in its quorum for the Lighthouse to declare it dead, and node
+    2, restarted 1 s after its death, asks for its first quorum inside that wait. It joins that very sync
+    (healed from a live peer; with streaming, an overlapped sync of one fragment), resumes at the step
+    after it, and finishes at the survivors' step with their parameters."""
+    kill_at = 6
+    cfg = _cfg(
+        tmp_path,
+        3,
+        steps=16,
+        step_sleep=0.05,
+        options=options,
+        kill={"node": 2, "step": kill_at, "how": "local"},
+        final_synchronize=True,
+    )
+    with (
+        Lighthouse(min_replicas=1, heartbeat_timeout_ms=5000, join_timeout_ms=60000) as lh,
+        Nodes(lh.address, procs_per_node=1) as nodes,
+    ):
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        _restart_after_death(nodes, 2, 1.0, ft_ranks.train, dict(cfg, start_barrier=None, kill={}))
+        out = nodes.wait([0, 1, 2], timeout=120)
+        times = [(t, s) for t, s, _ in nodes.steps(0) if s >= 0]
+    # the survivors' step that held the stalled sync (its quorum waited for the dead node's heartbeat)
+    gap, stalled = max((b[0] - a[0], b[1]) for a, b in itertools.pairwise(times))
+    assert gap > 2.0 and stalled >= kill_at, (gap, stalled)
+    joiner = out[2][0]
+    assert joiner["stats"]["heals"] == 1 and joiner["first"] == stalled + 1, (joiner["first"], stalled)
+    _check_joiner_equals_survivors(out, joiner["first"], 16, exact_syncs=not options.get("overlap"))
+    assert not any("no live peer" in w for n in range(3) for w in out[n][0]["warnings"])
+
+
+def test_restarted_node_with_no_live_peer_says_so(tmp_path):
+    """Node 2 is restarted only after the survivors finished: there is nobody to heal from. It forms a
+    quorum alone and trains from its own state; it must say so, not pass for a member of the run."""
+    cfg = _cfg(tmp_path, 3, steps=6, options={"period": 2}, kill={"node": 2, "step": 2, "how": "local"})
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        survivors = nodes.wait([0, 1], timeout=120)
+        nodes.start(2, ft_ranks.train, (dict(cfg, start_barrier=None, kill={}),))
+        out = nodes.wait([2], timeout=120)
+    joiner = out[2][0]
+    assert joiner["stats"]["heals"] == 0 and joiner["first"] == 0
+    assert any("no live peer to heal from" in w for w in joiner["warnings"]), joiner["warnings"]
+    assert not any("no live peer" in w for n in (0, 1) for w in survivors[n][0]["warnings"])
+
+
 def test_unreachable_lighthouse_is_a_clear_error(tmp_path):
     """The Lighthouse is gone when a node asks for its first quorum: hiersync says what to check."""
     flag = tmp_path / "lighthouse-down"
@@ -260,3 +387,4 @@ def test_ft_testbed_kills_and_restarts_a_node_of_the_example(tmp_path):
     assert summary["events"][0]["survivors"].keys() == {0, 1}, text
     finals = {name: r["final_val_loss"] for name, r in runs.items() if name != "2.1"}
     assert all(v is not None for v in finals.values()) and len(set(finals.values())) == 1, text
+    assert "healed from a live peer" in text, text

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"hiersync-ft node (\d+) step (\d+) loss (\S+) time (\S+)")
 _FINAL = re.compile(r"^final val loss (\S+)", re.M)
+_HEALS = re.compile(r"\bheals (\d+)")
 
 
 def parse_kill(text: str) -> tuple[int, int]:
@@ -70,6 +71,12 @@ class NodeRun:
     def final_val_loss(self) -> float | None:
         m = _FINAL.search("".join(self.log))
         return float(m.group(1)) if m else None
+
+    @property
+    def heals(self) -> int | None:
+        """Times the node was recovered from a live peer, as its script reported at the end."""
+        m = _HEALS.search("".join(self.log))
+        return int(m.group(1)) if m else None
 
 
 class FTTestbed:
@@ -117,10 +124,13 @@ class FTTestbed:
         """Start (or restart) node ``node``: a fresh ``torchrun --standalone`` of its ranks.
 
         The first incarnations wait for each other in their first quorum
-        (``HIERSYNC_FT_START_NODES``, read by ``examples/lm_torchft.py``).
+        (``HIERSYNC_FT_START_NODES``, read by ``examples/lm_torchft.py``); a restarted node
+        does not: with a live peer it is healed in its first quorum whatever that says, and
+        without one it would hold quorums alone for the whole quorum timeout.
         """
+        incarnation = sum(1 for r in self.runs if r.node == node) + 1
         env = dict(os.environ)
-        env["HIERSYNC_FT_START_NODES"] = str(self.nodes)
+        env["HIERSYNC_FT_START_NODES"] = str(self.nodes if incarnation == 1 else 1)
         env.pop("HIERSYNC_NODE_IDS", None)
         env.update(
             {
@@ -153,7 +163,6 @@ class FTTestbed:
             text=True,
             start_new_session=True,
         )
-        incarnation = sum(1 for r in self.runs if r.node == node) + 1
         rec = NodeRun(node, incarnation, proc, started_at=time.time())
         with self._lock:
             self.runs.append(rec)
@@ -259,6 +268,7 @@ def summarize(tb: FTTestbed, print_every: int) -> dict[str, Any]:
             "first_step_at": rec.steps[0][2] if rec.steps else None,
             "killed_at": rec.killed_at,
             "final_val_loss": rec.final_val_loss,
+            "heals": rec.heals,
             "curve": [(s, loss) for s, loss, _ in rec.steps if s % print_every == 0],
         }
     events = []
@@ -313,7 +323,7 @@ def report(summary: dict[str, Any]) -> str:
         if r["incarnation"] > 1:
             lines.append(
                 f"node {r['node']} restarted: first step {r['first_step']} "
-                f"({r['first_step_at'] - r['started_at']:.1f} s after its start)"
+                f"({r['first_step_at'] - r['started_at']:.1f} s after its start), {_healed(r)}"
                 if r["first_step_at"]
                 else f"node {r['node']} restarted: no step reported"
             )
@@ -321,6 +331,13 @@ def report(summary: dict[str, Any]) -> str:
         if r["final_val_loss"] is not None:
             lines.append(f"node {name}: final val loss {r['final_val_loss']:.4f} (last step {r['last_step']})")
     return "\n".join(lines)
+
+
+def _healed(run: dict[str, Any]) -> str:
+    if run["heals"] or (run["heals"] is None and run["first_step"]):
+        return "healed from a live peer"
+    # A fresh node that starts at step 0 found no node of the run in its first quorum.
+    return "NOT healed: no live peer in its first quorum (had the others finished?), it trained from its own state"
 
 
 # ---------------------------------------------------------------------------- CLI
