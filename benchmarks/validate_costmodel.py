@@ -19,11 +19,14 @@ or locally with ``--nodes N --procs-per-node L`` (forked ranks, loopback).
 
 ``--published`` needs no ranks: it scores :func:`~hiersync.costmodel.predict_allreduce`
 against the published all-reduce measurements of ``benchmarks/data/published_allreduce.csv``
-(:mod:`hiersync.costmodel.validation`): the median error per regime, every point, the worst.
+(:mod:`hiersync.costmodel.validation`): the median error per regime leave-one-source-out (each
+source predicted with the fabric latencies fitted on the others) and in sample, every row, the
+worst. ``--loso`` prints the leave-one-source-out medians, their row counts and the worst rows only.
 
 Example::
 
     python benchmarks/validate_costmodel.py --published
+    python benchmarks/validate_costmodel.py --published --loso
     python -m hiersync calibrate --nodes 2 --procs-per-node 2 --out profile.json
     python benchmarks/validate_costmodel.py --nodes 2 --procs-per-node 2 --profile profile.json
     python -m hiersync testbed --nodes 2 --procs-per-node 2 --inter-rate 800mbit -- \\
@@ -43,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hiersync import costmodel as cm
-from hiersync.costmodel.validation import DEFAULT_CSV, load_rows, score
+from hiersync.costmodel.validation import DEFAULT_CSV, load_rows
 from hiersync.costmodel.validation import format_report as format_published
 from hiersync.tools import calibrate as cal
 from hiersync.tools.sweep import sync_device, world_max
@@ -398,13 +401,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="no ranks: score the model against published measurements instead "
         "(default benchmarks/data/published_allreduce.csv)",
     )
+    p.add_argument(
+        "--loso",
+        action="store_true",
+        help="with --published: only the leave-one-source-out medians per regime, row counts and worst rows",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.loso and not args.published:
+        print("--loso scores the published table: add --published", file=sys.stderr)
+        return 2
     if args.published:
-        print(format_published(score(load_rows(args.published))))
+        print(format_published(load_rows(args.published), table=not args.loso))
         return 0
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -151,7 +151,12 @@ def fit_nccl_profile(
     from .predict import node_profile, predict_allreduce, predict_reduce_scatter, rail_profile
 
     def log_fit(loss, value: float) -> float:  # a bandwidth within 100x of a first guess
-        return math.exp(_golden(lambda x: loss(math.exp(x)), math.log(value / 100), math.log(value * 100)))
+        # A coarse scan first: where NCCL's tuner switches algorithm the loss jumps, so it has
+        # several valleys; golden-section search then refines the deepest one.
+        grid = [math.log(value / 100) + i * math.log(1e4) / 40 for i in range(41)]
+        best = min(range(len(grid)), key=lambda i: loss(math.exp(grid[i])))
+        lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+        return math.exp(_golden(lambda x: loss(math.exp(x)), lo, hi))
 
     prof = profile
     if reduce_scatter:

@@ -1,4 +1,4 @@
-"""NCCL's own tuning model: which algorithm and protocol its tuner runs, and how long that takes.
+"""NCCL's tuning model: which algorithm and protocol NCCL runs, and how long that takes.
 
 NCCL picks, for every collective call, the (algorithm, protocol) pair its tuner predicts to
 be fastest (``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime`` in NCCL's
@@ -6,18 +6,30 @@ be fastest (``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime`` in NCCL's
 (NVLS inside the node, a tree between nodes), each in the LL, LL128 or Simple protocol.
 This module re-implements that model (not NCCL's code) on a :class:`Fabric`, the handful of
 numbers the tuner reads: the node's ring and NVLS bus bandwidths, the NICs, the channels, the
-GPU generation, and the network plugin's reported latency. Its tables are NCCL's published
-constants (NCCL master, 2026):
+GPU generation, and the network's latency. Its tables are NCCL's published constants (NCCL
+master, 2026):
 
 * base latencies per algorithm and protocol, and hop latencies per link class (NVLink, PCI,
   network): :data:`BASE_LATENCY_US`, :data:`HOP_LATENCY_US`;
 * bandwidth refinements per protocol: LL runs at half the link and is capped
-  (:data:`LL_MAX_BUSBW_ONE_NODE`, :data:`LL_MAX_BUSBW_NODES`), LL128 at 120/128 of it with
-  a per-channel cap, the tree at 0.92 of it with per-channel caps (:data:`PER_CHANNEL_MAX`),
+  (:data:`LL_MAX_BUSBW_ONE_NODE`, :data:`LL_MAX_BUSBW_NODES` by host CPU), LL128 at 0.92 of it with a
+  per-channel cap, the tree at 0.92 of it with per-channel caps (:data:`PER_CHANNEL_MAX`),
   and the tree's mid-size correction (:data:`TREE_CORRECTION`, 64 B to 256 MiB);
+* the step counts: a ring all-reduce crosses ``2(p - 1)`` steps, ``2(N - 1)`` of them
+  between nodes; a tree ``2(L - 1)`` NVLink hops and ``2 floor(log2 N)`` network hops;
+  NVLSTree one NVLS hop and ``2 floor(log2 N)`` network hops;
 * the two-node case: NVLSTree (and the tree, where the node's links allow it) moves ``n``,
   not ``2n``, through each node's NICs, so the tuner doubles their bandwidth at N <= 2;
 * the ring's "plateau": its latency times 1.4 once each channel carries 64 bytes per rank.
+
+Choosing and pricing are two steps, as on a real cluster. :func:`tuner_choices` is what
+NCCL's tuner estimates, from what it is told (the network plugin's *reported* latency,
+:attr:`Fabric.tuner_net_latency_us`); :func:`allreduce` takes its pick and prices it with
+:func:`allreduce_choices`, which adds what the tuner leaves out: the fabric's *measured*
+step latency (:attr:`Fabric.net_latency_us`); the tree's network posts, one per chunk,
+channel and message at NCCL's own post overhead (:func:`_tree_posts_s`; NCCL charges it to
+ring steps only); and NVLS's and NVLSTree's mid-size shortfall on Hopper (NCCL corrects only
+its trees there; the same table, :data:`NVLS_SIZE_CORRECTION`).
 
 Bandwidths follow NCCL's convention: a *bus* bandwidth (``busbw``, the figure nccl-tests
 prints for rings), turned into the algorithm bandwidth by ``p / (2(p - 1))`` for ring, NVLS
@@ -45,12 +57,16 @@ __all__ = [
     "HOP_LATENCY_US",
     "LL_MAX_BUSBW_ONE_NODE",
     "LL_MAX_BUSBW_NODES",
+    "HOST_CPUS",
+    "NET_OVERHEAD_US",
     "PER_CHANNEL_MAX",
     "TREE_CORRECTION",
     "NVLS_SIZE_CORRECTION",
     "RING_PLATEAU",
+    "TREE_CHUNK_BYTES",
     "Fabric",
     "Choice",
+    "tuner_choices",
     "allreduce_choices",
     "allreduce",
     "ring_collective",
@@ -73,10 +89,15 @@ HOP_LATENCY_US: dict[str, dict[str, tuple[float, float, float]]] = {
     "pci": {"tree": (1.0, 1.9, 4.0), "ring": (1.0, 2.5, 5.7), "nvls": (0, 0, 0), "nvls_tree": (0, 0, 0)},
     "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "nvls": (0, 0, 18.0), "nvls_tree": (0, 0, 20.9)},
 }
-# LL's busbw cap (GB/s): on one node by GPU generation; across nodes by the host CPU (x86
-# Intel here), indexed by N = 2 and N > 2.
+# LL's busbw cap (GB/s): on one node by GPU generation; across nodes by the host CPU, indexed
+# by N = 2 and N > 2 (NCCL uses its AMD row for AMD hosts, its Intel row for every other).
 LL_MAX_BUSBW_ONE_NODE = {"volta": 39.0, "ampere": 87.7, "hopper": 141.0, "blackwell": 282.0}
-LL_MAX_BUSBW_NODES = (39.0, 20.4)
+LL_MAX_BUSBW_NODES = {"intel": (39.0, 20.4), "amd": (22.5, 19.0), "arm": (39.0, 20.4)}
+HOST_CPUS = ("intel", "amd", "arm")
+NET_OVERHEAD_US = {"intel": 1.0, "amd": 2.0, "arm": 1.0}
+"""Microseconds the host's proxy thread spends posting one network message (NCCL's
+``NCCL_NET_OVERHEAD`` defaults, by host CPU). NCCL charges it to every ring step between
+nodes; the price charges it to every tree chunk too (:func:`_tree_posts_s`)."""
 # Per-channel busbw caps (GB/s), indexed by N = 1, N = 2, N > 2.
 PER_CHANNEL_MAX: dict[str, dict[str, tuple[float, float, float]]] = {
     "ring_ll128": {
@@ -112,10 +133,15 @@ TREE_CORRECTION: dict[str, tuple[float, ...]] = {
     "Simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
 }  # fmt: skip
 NVLS_SIZE_CORRECTION = True
-"""Apply :data:`TREE_CORRECTION` (Simple) to single-node NVLS too (see :func:`_size_factor`)."""
+"""Price NVLS (one node) and NVLSTree on Hopper with :data:`TREE_CORRECTION` (Simple) too, as
+NCCL's tuner does for its trees (and for NVLSTree on Blackwell); see :func:`_size_factor`."""
 RING_PLATEAU = 1.4
 """The multi-node Simple ring's latency factor once a channel moves >= 64 bytes per rank (Ampere on)."""
-_NET_OVERHEAD_US = 1.0  # per ring step across nodes (x86 Intel host; three times that for Simple)
+TREE_CHUNK_BYTES = {"LL": 32768, "LL128": 576000, "Simple": 524288}
+"""Bytes of data a tree moves per step and channel (``calcCollChunking`` in NCCL's
+``src/enqueue.cc``, on its default buffers): a 64 KiB LL step holds 32 KiB of data, an LL128
+step 576,000 B (halved for smaller messages, :func:`_tree_chunk`), a Simple step 512 KiB
+(4 MiB / 8 steps)."""
 _NVLS_CHANNELS = 16  # NVLS needs no more than 16 channels for its peak
 
 
@@ -141,9 +167,17 @@ class Fabric:
     intra_link: str = "nvlink"
     """``"nvlink"`` or ``"pci"``: the hop latencies inside the node; LL128 needs NVLink."""
     net_latency_us: float = 0.0
-    """Latency the network plugin reports to NCCL, added to every inter-node step (twice
-    with the Simple protocol): 0 for NCCL's InfiniBand/RoCE transport, 75 for AWS's EFA
-    plugin on p5, measured elsewhere."""
+    """Microseconds the fabric adds to every inter-node step on top of NCCL's network hop
+    latencies (twice with the Simple protocol, whose receiver flushes): 0 for NCCL's own
+    InfiniBand/RoCE transport, which those constants describe; measured (``python -m
+    hiersync calibrate`` fits it) on fabrics behind a network plugin."""
+    tuner_net_latency_us: float | None = None
+    """Microseconds the network plugin *reports* to NCCL (``ncclNetProperties_t.latency``):
+    what NCCL's tuner chooses by. None: :attr:`net_latency_us`. aws-ofi-nccl reports 75 on
+    p4d/p5, whatever the wire does (its platform table)."""
+    host_cpu: str = "intel"
+    """The nodes' CPU vendor (:data:`HOST_CPUS`): NCCL caps LL's bandwidth across nodes by it
+    (:data:`LL_MAX_BUSBW_NODES`) and charges its network post overhead (:data:`NET_OVERHEAD_US`)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.channels < 1:
@@ -159,6 +193,12 @@ class Fabric:
             raise ValueError(f"Fabric.nvls_busbw must be > 0 or None (no NVLS), got {self.nvls_busbw!r}")
         if not self.net_latency_us >= 0:
             raise ValueError(f"Fabric.net_latency_us must be >= 0, got {self.net_latency_us!r}")
+        if self.host_cpu not in HOST_CPUS:
+            raise ValueError(f"unknown host_cpu {self.host_cpu!r}; valid: {', '.join(HOST_CPUS)}")
+        if self.tuner_net_latency_us is not None and not self.tuner_net_latency_us >= 0:
+            raise ValueError(
+                f"Fabric.tuner_net_latency_us must be >= 0 or None (as measured), got {self.tuner_net_latency_us!r}"
+            )
 
     @property
     def ranks(self) -> int:
@@ -210,7 +250,7 @@ def _refine(algorithm: str, protocol: str, busbw: float, fab: Fabric) -> float:
     if protocol == "LL128" and fab.intra_link != "nvlink":
         return 0.0  # LL128 runs only over NVLink-class paths inside the node
     idx = _node_index(fab.nodes)
-    ll_max = LL_MAX_BUSBW_ONE_NODE[fab.gpu] if fab.nodes == 1 else LL_MAX_BUSBW_NODES[idx - 1]
+    ll_max = LL_MAX_BUSBW_ONE_NODE[fab.gpu] if fab.nodes == 1 else LL_MAX_BUSBW_NODES[fab.host_cpu][idx - 1]
     ch = fab.channels
     if algorithm == "ring":
         if protocol == "LL":
@@ -227,18 +267,19 @@ def _refine(algorithm: str, protocol: str, busbw: float, fab: Fabric) -> float:
     return busbw
 
 
-def _latency_us(algorithm: str, protocol: str, fab: Fabric) -> float:
-    """NCCL's latency (us) of one all-reduce by ``algorithm`` in ``protocol``."""
+def _latency_us(algorithm: str, protocol: str, fab: Fabric, net_us: float) -> float:
+    """NCCL's latency (us) of one all-reduce by ``algorithm`` in ``protocol``, the fabric adding
+    ``net_us`` to each network step."""
     p = PROTOCOLS.index(protocol)
     n, lpn = fab.nodes, fab.ranks_per_node
     intra = HOP_LATENCY_US[fab.intra_link][algorithm][p]
     # One rank per node exposes the whole network latency: NCCL prices it as the tree's.
     inter = HOP_LATENCY_US["net"]["tree" if lpn == 1 else algorithm][p]
-    inter += fab.net_latency_us * (2 if protocol == "Simple" else 1)  # Simple adds a flush
+    inter += net_us * (2 if protocol == "Simple" else 1)  # Simple adds a flush
     lat = BASE_LATENCY_US[algorithm][p]
     if algorithm == "ring":
         steps, inter_steps = 2 * (fab.ranks - 1), (2 * (n - 1) if n > 1 else 0)
-        overhead = _NET_OVERHEAD_US * (3 if protocol == "Simple" else 1) if n > 1 else 0.0
+        overhead = NET_OVERHEAD_US[fab.host_cpu] * (3 if protocol == "Simple" else 1) if n > 1 else 0.0
         return lat + (steps - inter_steps) * max(intra, overhead) + inter_steps * inter
     log_n = n.bit_length() - 1  # floor(log2 N)
     if algorithm == "tree":
@@ -248,19 +289,51 @@ def _latency_us(algorithm: str, protocol: str, fab: Fabric) -> float:
     return intra + 2 * log_n * inter  # nvls_tree
 
 
-def _size_factor(algorithm: str, protocol: str, nbytes: float, fab: Fabric) -> float:
-    """The tree's mid-size bandwidth correction (NVLSTree's on Blackwell, NVLS's on one node), else 1.
+def _size_factor(algorithm: str, protocol: str, nbytes: float, fab: Fabric, *, tuner: bool) -> float:
+    """The mid-size bandwidth correction, 1 where none applies.
 
-    NCCL corrects its trees (and NVLSTree on Blackwell) only. Single-node NVLS on Hopper falls
-    short of its bandwidth at medium sizes in the same way (2-256 MiB: 0.69-0.94 of the model
-    on 8 x H200, stas00/ml-engineering's table), so :data:`NVLS_SIZE_CORRECTION` applies the
-    Simple protocol's factors to it too: hiersync's every-step intra-node all-reduce lives there.
+    NCCL's tuner (``tuner``) corrects its trees, and NVLSTree on Blackwell. NVLS and NVLSTree
+    on Hopper fall short of their bandwidth at medium sizes in the same way, as the pipelines
+    they are (2-256 MiB: 0.69-0.94 of the uncorrected model on one 8 x H200 node; 0.66-0.87 at
+    16-256 MiB on two H100 nodes), so the price (:data:`NVLS_SIZE_CORRECTION`) applies the
+    Simple protocol's factors to them too.
     """
-    if algorithm == "nvls" and NVLS_SIZE_CORRECTION:
-        return _table_factor("Simple", nbytes, 23)
     if algorithm == "tree" or (algorithm == "nvls_tree" and fab.gpu == "blackwell"):
         return _table_factor(protocol, nbytes, 23 if algorithm == "tree" else 24)
+    if not tuner and NVLS_SIZE_CORRECTION and algorithm in ("nvls", "nvls_tree"):
+        return _table_factor("Simple", nbytes, 23 if algorithm == "nvls" else 24)
     return 1.0
+
+
+def _tree_chunk(protocol: str, nbytes: float, fab: Fabric) -> float:
+    """Bytes per step and channel of a tree all-reduce of ``nbytes`` (NCCL's chunking): LL128
+    halves its step while a channel would hold too few of them for the tree's depth."""
+    chunk = float(TREE_CHUNK_BYTES[protocol])
+    if protocol == "LL128":
+        ppn = fab.ranks_per_node
+        depth = 1 + (fab.nodes.bit_length() - 1) + 0.1 * ppn
+        per_channel = nbytes / fab.channels
+        while per_channel / chunk < depth * 64 / ppn and chunk > 131072:
+            chunk /= 2
+        while per_channel / chunk < depth * 16 / ppn and chunk > 32768:
+            chunk /= 2
+    return chunk
+
+
+def _tree_posts_s(protocol: str, nbytes: float, fab: Fabric) -> float:
+    """Seconds a tree all-reduce spends posting network messages, which NCCL's tuner leaves out.
+
+    Every chunk of every channel crosses the network as separate messages, each posted by the
+    proxy thread at NCCL's post overhead (:data:`NET_OVERHEAD_US`): 2 per chunk and node between
+    two nodes (one up, one down the tree); 4 beyond, where NCCL's double binary tree makes each
+    node inner in one tree (two children and a parent: 3 messages up, 3 down) and a leaf in the
+    other (1 + 1). Small and mid-size messages, cut into small chunks, pay most of it.
+    """
+    if fab.nodes == 1 or nbytes <= 0:
+        return 0.0
+    chunks = nbytes / fab.channels / _tree_chunk(protocol, nbytes, fab)
+    messages = 2 if fab.nodes == 2 else 4
+    return chunks * messages * NET_OVERHEAD_US[fab.host_cpu] * 1e-6
 
 
 def _table_factor(protocol: str, nbytes: float, limit: int) -> float:
@@ -269,13 +342,15 @@ def _table_factor(protocol: str, nbytes: float, limit: int) -> float:
     return TREE_CORRECTION[protocol][index] if 0 <= index < limit else 1.0
 
 
-def allreduce_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = ALGORITHMS) -> list[Choice]:
-    """Every (algorithm, protocol) the tuner may run for an all-reduce of ``nbytes``, with its time."""
+def _choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...], *, tuner: bool) -> list[Choice]:
     n = max(float(nbytes), 0.0)
     p = fab.ranks
     if p == 1:
         return [Choice("ring", "Simple", 0.0, math.inf, 0.0)]
     bus = _bus_bandwidths(fab)
+    net_us = fab.net_latency_us
+    if tuner and fab.tuner_net_latency_us is not None:
+        net_us = fab.tuner_net_latency_us
     out = []
     for algo in algorithms:
         for proto in PROTOCOLS:
@@ -283,24 +358,47 @@ def allreduce_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = 
             if busbw <= 0:
                 continue
             ratio = 0.5 if algo == "tree" else p / (2 * (p - 1))
-            algbw = busbw * ratio * _size_factor(algo, proto, n, fab) * 1e9
-            lat = _latency_us(algo, proto, fab) * 1e-6
+            algbw = busbw * ratio * _size_factor(algo, proto, n, fab, tuner=tuner) * 1e9
+            if algo == "tree" and not tuner and n > 0:
+                algbw = n / (n / algbw + _tree_posts_s(proto, n, fab))
+            lat = _latency_us(algo, proto, fab, net_us) * 1e-6
             if algo == "ring" and proto == "Simple" and fab.nodes > 1 and n / (fab.channels * p) >= 64:
                 lat *= RING_PLATEAU if fab.gpu != "volta" else 1.9
             out.append(Choice(algo, proto, lat, algbw, lat + n / algbw))
     return out
 
 
+def tuner_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = ALGORITHMS) -> list[Choice]:
+    """Every (algorithm, protocol) NCCL's tuner may run for an all-reduce of ``nbytes``, with the
+    time the tuner estimates: what it chooses by (the plugin's reported latency, its own
+    corrections only)."""
+    return _choices(nbytes, fab, algorithms, tuner=True)
+
+
+def allreduce_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = ALGORITHMS) -> list[Choice]:
+    """Every (algorithm, protocol) NCCL may run for an all-reduce of ``nbytes``, with the time it
+    takes: the tuner's estimate on the fabric's measured latency, with NVLS's mid-size shortfall and
+    the tree's network posts (:func:`_tree_posts_s`) included."""
+    return _choices(nbytes, fab, algorithms, tuner=False)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def allreduce(nbytes: float, fab: Fabric, algorithm: str = "auto") -> Choice:
-    """The fastest choice for ``nbytes``: what NCCL runs (``"auto"``), or the fastest protocol of
-    a forced ``algorithm`` (``NCCL_ALGO``): ``"ring"``, ``"tree"``, ``"nvls"``, ``"nvls_tree"``."""
+    """What NCCL runs for ``nbytes`` and its time: the (algorithm, protocol) its tuner estimates
+    fastest (``"auto"``), or the tuner's protocol for a forced ``algorithm`` (``NCCL_ALGO``):
+    ``"ring"``, ``"tree"``, ``"nvls"``, ``"nvls_tree"``; priced by :func:`allreduce_choices`."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"unknown NCCL algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
-    choices = allreduce_choices(nbytes, fab, ALGORITHMS if algorithm == "auto" else (algorithm,))
-    if not choices:
+    algorithms = ALGORITHMS if algorithm == "auto" else (algorithm,)
+    estimates = tuner_choices(nbytes, fab, algorithms)
+    if not estimates:
         raise ValueError(f"NCCL cannot run {algorithm!r} on {fab.nodes} nodes x {fab.ranks_per_node} ranks")
-    return min(choices, key=lambda c: c.time_s)
+    pick = min(estimates, key=lambda c: c.time_s)
+    return next(
+        c
+        for c in allreduce_choices(nbytes, fab, (pick.algorithm,))
+        if (c.algorithm, c.protocol) == (pick.algorithm, pick.protocol)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -328,7 +426,7 @@ def ring_collective(kind: str, nbytes: float, fab: Fabric) -> Choice:
         inter += fab.net_latency_us * (2 if proto == "Simple" else 1)
         inter_steps = fab.nodes - 1
         if fab.nodes > 1:
-            intra = max(intra, _NET_OVERHEAD_US * (3 if proto == "Simple" else 1))
+            intra = max(intra, NET_OVERHEAD_US[fab.host_cpu] * (3 if proto == "Simple" else 1))
         lat = (BASE_LATENCY_US["ring"][idx] + (p - 1 - inter_steps) * intra + inter_steps * inter) * 1e-6
         algbw = busbw * 1e9 * p / (p - 1)
         out.append(Choice("ring", proto, lat, algbw, lat + n / algbw))

@@ -18,7 +18,7 @@ Example::
     >>> from hiersync.costmodel import PRESETS
     >>> h100 = PRESETS["h100-8rail"]
     >>> round(predict_allreduce(25 * 2**20, h100.with_shape(nodes=2)) * 1e3, 3)  # ms
-    0.169
+    0.213
     >>> explain_allreduce(25 * 2**20, h100.with_shape(nodes=2)), explain_allreduce(2**20, h100.with_shape(nodes=16))
     ('nvls_tree/Simple', 'tree/LL128')
     >>> choose_exact_algorithm(100e6, 2, 2, PRESETS["emulated"])
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 from . import nccl
 from .compression import compress_ratio, is_quantized, quantized_average_seconds
-from .hierarchy import check_intra_algorithm, flat_allreduce_time, rail_link, two_level_stages
-from .links import all_gather_time, check_number, reduce_scatter_time
+from .hierarchy import check_intra_algorithm, flat_allreduce_time, two_level_stages
+from .links import Link, all_gather_time, check_number, reduce_scatter_time
 
 if TYPE_CHECKING:
     from .profile import Profile
@@ -62,7 +62,9 @@ def _uses_nccl(profile: Profile) -> bool:
 
 def fabric(profile: Profile) -> nccl.Fabric:
     """The :class:`~.nccl.Fabric` NCCL's tuner sees on ``profile``'s shape and links."""
-    nics = min(profile.rails or profile.ranks_per_node, profile.ranks_per_node)
+    nics = (
+        profile.rails or profile.ranks_per_node
+    )  # all of them: NCCL drives several NICs per GPU where a node has them
     return nccl.Fabric(
         nodes=profile.nodes,
         ranks_per_node=profile.ranks_per_node,
@@ -73,6 +75,8 @@ def fabric(profile: Profile) -> nccl.Fabric:
         gpu=profile.gpu,
         intra_link=profile.intra_link,
         net_latency_us=profile.net_latency_us,
+        tuner_net_latency_us=profile.tuner_net_latency_us,
+        host_cpu=profile.host_cpu,
     )
 
 
@@ -84,10 +88,12 @@ def node_profile(profile: Profile) -> Profile:
 def rail_profile(profile: Profile) -> Profile:
     """``profile``'s rail: one rank on each of its nodes, all L rails sharing the node's NICs.
 
-    Each rail gets ``rails / L`` of the node's NICs (:func:`~.hierarchy.rail_link`), as
-    hiersync runs every rail's all-reduce at once.
+    Each rail gets ``rails / L`` of the node's NICs, as hiersync runs every rail's all-reduce at
+    once: a fraction of one with fewer NICs than ranks, two with 16 NICs for 8 GPUs (NCCL drives
+    every NIC; :func:`~.hierarchy.rail_link`, the alpha-beta model's, stops at one).
     """
-    rail = rail_link(profile.inter, profile.ranks_per_node, profile.rails)
+    lpn = profile.ranks_per_node
+    rail = Link(profile.inter.alpha, profile.inter.beta * lpn / (profile.rails or lpn), profile.inter.gamma)
     return replace(profile, ranks_per_node=1, rails=1, inter=rail, nvls_gbps=None)
 
 

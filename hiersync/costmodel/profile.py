@@ -18,7 +18,7 @@ from typing import Any
 
 from .hierarchy import check_topology, intra_algorithm_for_backend
 from .links import DEFAULT_TREE_EFFICIENCY, Link, check_count, check_efficiency, check_number
-from .nccl import GPU_GENERATIONS, INTRA_LINKS
+from .nccl import GPU_GENERATIONS, HOST_CPUS, INTRA_LINKS
 
 __all__ = ["PROFILE_FORMAT", "Profile", "PRESETS", "get_preset", "preset_for_backend", "default_copy_gbps"]
 
@@ -80,10 +80,16 @@ class Profile:
     """``"nvlink"`` or ``"pci"``: the class of the node's GPU links, which sets NCCL's hop
     latencies (and LL128, which needs NVLink)."""
     net_latency_us: float = 0.0
-    """The fabric: latency in microseconds the network plugin reports to NCCL, added to each
-    inter-node step (twice with the Simple protocol). 0 for NCCL's own InfiniBand and RoCE
-    transport; 75 for AWS EFA on p5 (aws-ofi-nccl's platform value); measured by
-    ``python -m hiersync calibrate`` on other fabrics."""
+    """The fabric: microseconds it adds to each inter-node step on top of NCCL's network hop
+    latencies (twice with the Simple protocol). 0 for NCCL's own InfiniBand and RoCE
+    transport; measured by ``python -m hiersync calibrate`` on fabrics behind a network
+    plugin (about 20 on AWS p5's EFA, 70 on p4d's; docs/costmodel-validation.md)."""
+    tuner_net_latency_us: float | None = None
+    """Microseconds the network plugin *reports* to NCCL's tuner, which chooses by it (75 for
+    aws-ofi-nccl on p4d and p5, its platform table); None: :attr:`net_latency_us`."""
+    host_cpu: str = "intel"
+    """The nodes' CPU vendor, ``"intel"``, ``"amd"`` or ``"arm"``: NCCL's LL bandwidth cap across
+    nodes and its network post overhead (1 us per message, 2 on AMD) depend on it (:mod:`.nccl`)."""
     channels: int = 16
     """NCCL's ring/tree channels; only its per-channel bandwidth caps read it."""
     quant_gbps: float | None = None
@@ -117,6 +123,10 @@ class Profile:
         if self.intra_link not in INTRA_LINKS:
             raise ValueError(f"Profile.intra_link must be one of {', '.join(INTRA_LINKS)}, got {self.intra_link!r}")
         check_number("Profile.net_latency_us", self.net_latency_us)
+        if self.tuner_net_latency_us is not None:
+            check_number("Profile.tuner_net_latency_us", self.tuner_net_latency_us)
+        if self.host_cpu not in HOST_CPUS:
+            raise ValueError(f"Profile.host_cpu must be one of {', '.join(HOST_CPUS)}, got {self.host_cpu!r}")
         check_count("Profile.channels", self.channels)
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"Profile.backend must be a backend name such as 'nccl' or 'gloo', got {self.backend!r}")
@@ -167,6 +177,8 @@ class Profile:
             "gpu": self.gpu,
             "intra_link": self.intra_link,
             "net_latency_us": self.net_latency_us,
+            "tuner_net_latency_us": self.tuner_net_latency_us,
+            "host_cpu": self.host_cpu,
             "channels": self.channels,
             "quant_gbps": self.quant_gbps,
             "copy_gbps": self.copy_gbps,
@@ -204,6 +216,8 @@ class Profile:
             gpu=obj.get("gpu", "hopper"),
             intra_link=obj.get("intra_link", "nvlink"),
             net_latency_us=obj.get("net_latency_us", 0.0),
+            tuner_net_latency_us=obj.get("tuner_net_latency_us"),
+            host_cpu=obj.get("host_cpu", "intel"),
             channels=obj.get("channels", 16),
             quant_gbps=obj.get("quant_gbps"),
             copy_gbps=obj.get("copy_gbps"),
