@@ -403,7 +403,11 @@ class HierComm:
         return after(done, lambda: out, out.device)
 
     def gather_node_after(
-        self, ready: torch.futures.Future, make_shard: Callable[[], torch.Tensor], like: torch.Tensor
+        self,
+        ready: torch.futures.Future,
+        make_shard: Callable[[], torch.Tensor],
+        like: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.futures.Future:
         """Once ``ready`` is done, all-gather the node's shards ``make_shard()`` into a new vector.
 
@@ -413,7 +417,8 @@ class HierComm:
         from then on. The gather is issued in the order of the calls to this method (not
         in the order the ``ready`` futures complete), so the node's ranks issue the same
         gathers in the same order. The future holds the gathered vector; it fails with
-        ``ready``'s or ``make_shard``'s error. Needs L > 1.
+        ``ready``'s or ``make_shard``'s error. Needs L > 1. ``out``: the output, given (a shard
+        that is its own slot of ``out`` is not copied).
         """
         L = self.groups.node_size
         if L == 1:
@@ -425,7 +430,7 @@ class HierComm:
             shard = make_shard()
             if shard.numel() != n:
                 raise ValueError(f"gather_node_after: the shard has {shard.numel()} values, expected {n}")
-            cell.append(torch.empty(L * n, dtype=shard.dtype, device=shard.device))
+            cell.append(out if out is not None else torch.empty(L * n, dtype=shard.dtype, device=shard.device))
             return cell[0], shard
 
         done = self._gather_shards(buffers, n, like, ready, "parameter gather")

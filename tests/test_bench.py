@@ -285,21 +285,21 @@ def test_claims_within_one_compute_model():
     assert by["cpu", "hiersync_p4_stream"]["unsupported"] and by["cpu", "hiersync_p4_stream"]["step_s"] is None
     claims = bench_claims.check_claims(rows)
     got = {(c["compute"], c["claim"]): c for c in claims}
-    c = got["accel", "streaming k=4 step <= 1.25x a step without inter-node traffic"]
-    assert c["ratio"] == pytest.approx(1.1) and c["met"]  # 4.4 / 4 steps = 1.1 s vs 1.0 s
+    c = got["accel", "streaming k=4 step <= 1.05x a step without inter-node traffic"]
+    assert c["ratio"] == pytest.approx(1.1) and c["met"] is False  # 4.4 / 4 steps = 1.1 s vs 1.0 s
     c = got["accel", "streaming k=4 step <= 0.45x DDP"]
     assert c["ratio"] == pytest.approx(0.275) and c["met"]
     c = got["accel", "streaming k=4 slowest step (p99) <= 0.6x blocking k=4's: no sync step"]
     assert c["reference_value"] == pytest.approx(2.94) and c["met"] is True  # hiersync_p4's 3 s step
-    c = got["accel", "streaming k=4 step <= 0.8x PyTorch post-local SGD k=4"]
-    assert c["ratio"] == pytest.approx(1.1 / 1.5) and c["met"]  # post-local: 6 s over 4 steps
+    c = got["accel", "streaming k=4 step <= 0.62x PyTorch post-local SGD k=4"]
+    assert c["ratio"] == pytest.approx(1.1 / 1.5) and c["met"] is False  # post-local: 6 s over 4 steps
     peak = got["accel", "streaming k=4's busiest step sends <= 0.4x a whole-model sync"]
     assert peak["ratio"] == pytest.approx(0.25) and peak["met"] and "hiersync_p4" in peak["reference_name"]
     # the CPU streaming row could not be built: reported, not compared
     assert got["cpu", "streaming k=4's busiest step sends <= 0.4x a whole-model sync"]["met"] is None
     assert {c for c, _ in got} == {"accel", "cpu"} and len([1 for c, _ in got if c == "cpu"]) == 1
     text = bench_claims.format_claims(claims)
-    assert "PASS  streaming k=4 step <= 1.25x a step without inter-node traffic [accel, mlp, 25 MB buckets]" in text
+    assert "FAIL  streaming k=4 step <= 1.05x a step without inter-node traffic [accel, mlp, 25 MB buckets]" in text
     assert "n/a   streaming k=4's busiest step sends <= 0.4x a whole-model sync [cpu" in text
     assert "issue" not in text
     table = bench_table.format_table(rows)
@@ -701,7 +701,8 @@ def test_bench_with_torchft_rows_tiny(tmp_path, capsys):
 
     out = tmp_path / "res"
     code = cli.main(
-        ["bench", "--loopback", "--mlp-params", "20k", "--steps", "2", "--warmup", "1", "--buckets", "0.02",
+        ["bench", "--loopback", "--mlp-params", "20k", "--steps", "2", "--min-seconds", "0", "--warmup", "1",
+         "--buckets", "0.02",
          "--compute", "cpu", "--schedules", "ddp,hiersync_p4_stream", "--peers", "torchft", "--results", str(out),
          "--no-progress", "--no-plots"]
     )  # fmt: skip
@@ -739,9 +740,9 @@ def test_bench_counts_bytes_on_the_link(tmp_path):
     out = tmp_path / "res"
     schedules = "ddp,hiersync_p2,hiersync_p2_stream" + (",torchft_localsgd_k2" if _has_torchft() else "")
     code = cli.main(
-        ["bench", "--nodes", "2", "--procs-per-node", "2", "--mlp-params", "400k", "--steps", "2", "--warmup", "1",
-         "--buckets", "1", "--compute", "cpu", "--schedules", schedules, "--results", str(out), "--no-progress",
-         "--no-plots", "--profile", "none", "--timeout", "240"]
+        ["bench", "--nodes", "2", "--procs-per-node", "2", "--mlp-params", "400k", "--steps", "2",
+         "--min-seconds", "0", "--warmup", "1", "--buckets", "1", "--compute", "cpu", "--schedules", schedules,
+         "--results", str(out), "--no-progress", "--no-plots", "--profile", "none", "--timeout", "240"]
     )  # fmt: skip
     assert code == 0
     raw = json.loads((out / "bench.json").read_text())
@@ -841,7 +842,8 @@ def test_bench_fsdp_end_to_end_tiny(tmp_path, capsys):
     """The FSDP2 rows on loopback: HSDP, hiersync k=4 blocking and streaming, intra-only, the memory pass."""
     out = tmp_path / "res"
     code = cli.main(
-        ["bench", "--fsdp", "--loopback", "--mlp-params", "20k", "--steps", "2", "--warmup", "1", "--compute",
+        ["bench", "--fsdp", "--loopback", "--mlp-params", "20k", "--steps", "2", "--min-seconds", "0", "--warmup", "1",
+         "--compute",
          "accel", "--accel-layer-ms", "1", "--results", str(out), "--no-progress", "--no-plots", "--profile", "none"]
     )  # fmt: skip
     assert code == 0

@@ -236,6 +236,8 @@ def make_config(args: argparse.Namespace) -> dict:
     for name in ("steps", "batch_size", "mlp_depth", "repeat"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not args.min_seconds >= 0:
+        raise ValueError(f"--min-seconds={args.min_seconds} must be >= 0")
     if args.warmup < 1:
         raise ValueError(f"--warmup={args.warmup} must be >= 1 (DDP rebuilds its buckets after the first step)")
     return {
@@ -256,6 +258,7 @@ def make_config(args: argparse.Namespace) -> dict:
             "batch": 8,
         },
         "steps": args.steps,
+        "min_seconds": args.min_seconds,
         "warmup": args.warmup,
         "repeat": args.repeat,
         "lr": 1e-3,
@@ -322,11 +325,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--steps",
         type=int,
-        default=2,
-        help="timed steps per pass, rounded up to a multiple of k (so period-4 schedules time 4)",
+        default=4,
+        help="timed steps per pass at least, rounded up to a multiple of k (see --min-seconds)",
     )
     g.add_argument(
-        "--warmup", type=int, default=1, help="untimed steps first (DDP rebuilds its buckets after the first)"
+        "--warmup", type=int, default=2, help="untimed steps first (DDP rebuilds its buckets after the first)"
+    )
+    g.add_argument(
+        "--min-seconds",
+        type=float,
+        default=4.0,
+        help="time whole windows of a row's steps for at least this long (fast rows: a steady mean)",
     )
     g.add_argument(
         "--repeat",

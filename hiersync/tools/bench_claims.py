@@ -38,13 +38,13 @@ class Claim:
 
 CLAIMS: tuple[Claim, ...] = (
     # Accelerator-like compute: a GPU host's CPU is idle while the device computes, so transfers
-    # can hide behind compute; with real CPU compute the 2 cores of this box run both. Bounds
-    # leave room for one run's noise (4 timed steps per k=4 row by default).
-    Claim("streaming k=4 step <= 0.8x PyTorch post-local SGD k=4", ("accel",), "hiersync_p4_stream", "mean",
-          "postlocal_k4", "mean", 0.8),
+    # can hide behind compute; with real CPU compute the 2 cores of this box run both. Each row's
+    # mean is over at least --min-seconds of whole windows (8 steps of the k=4 rows by default).
+    Claim("streaming k=4 step <= 0.62x PyTorch post-local SGD k=4", ("accel",), "hiersync_p4_stream", "mean",
+          "postlocal_k4", "mean", 0.62),
     Claim("streaming k=4 step <= 0.45x DDP", ("accel",), "hiersync_p4_stream", "mean", "ddp", "mean", 0.45),
-    Claim("streaming k=4 step <= 1.25x a step without inter-node traffic", ("accel",), "hiersync_p4_stream", "mean",
-          "intra_only", "mean", 1.25),
+    Claim("streaming k=4 step <= 1.05x a step without inter-node traffic", ("accel",), "hiersync_p4_stream", "mean",
+          "intra_only", "mean", 1.05),
     Claim("streaming k=4 slowest step (p99) <= 0.6x blocking k=4's: no sync step", ("accel",), "hiersync_p4_stream",
           "p99", "hiersync_p4", "p99", 0.6),
     # counted on the link, a step's reading holds the tail of the transfer before it: a fragment is 0.25x

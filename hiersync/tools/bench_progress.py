@@ -46,6 +46,10 @@ class ProgressFile:
             return
         self.done += len(complete)
         label = complete[-1].split("\t")[0]
+        if self.done > self.total:  # rows time more steps than --steps when theirs are fast (--min-seconds)
+            self.total = self.done
+            if self.bar is not None:
+                self.bar.total = self.total
         if self.bar is not None:
             self.bar.update(len(complete))
             self.bar.set_postfix_str(label)

@@ -9,6 +9,8 @@ numbers :func:`hiersync.tools.bench_rows.summarize` reads; :mod:`.bench_worker` 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -18,7 +20,7 @@ from hiersync.vocab import Level
 
 from .bench_compute import SLEPT, build_model
 from .bench_probes import LinkCounter, PhaseProbe
-from .bench_spec import BURN_STEPS, ScheduleSpec, run_steps, timed_steps
+from .bench_spec import BURN_STEPS, ScheduleSpec, attributed_steps, run_steps, timed_steps
 
 __all__ = ["Where", "Method", "fresh_model", "base_record", "train", "teardown"]
 
@@ -107,6 +109,24 @@ def teardown(method: Method, probe: PhaseProbe) -> None:
         vars(state).clear()
 
 
+def _timed_count(spec: ScheduleSpec, steps: int, attributed: list[dict[str, float]], min_seconds: float) -> int:
+    """``steps`` timed steps, or more whole windows if those would last under ``min_seconds``.
+
+    At the attributed steps' pace (barriers included, so a little slow): a fast row's mean
+    then averages enough steps to be steady on a noisy 2-core box (a step here scatters by
+    +-10%), while a slow row (DDP's 2 s steps) is not timed for longer than it needs. Every
+    rank times the number rank 0 decides.
+    """
+    import torch
+    import torch.distributed as dist
+
+    pace = max(1e-3, statistics.fmean(a["total"] for a in attributed))
+    window = timed_steps(spec, 1)
+    want = torch.tensor([max(steps, window * math.ceil(min_seconds / pace / window))])
+    dist.broadcast(want, src=0)
+    return int(want)
+
+
 def train(
     config: dict,
     spec: ScheduleSpec,
@@ -187,7 +207,8 @@ def train(
     link = where.link
     tx_begin = link.read() if link is not None else 0
     stats0 = state.stats.as_dict() if state is not None else None
-    attributed = [step(True) for _ in range(steps)]
+    attributed = [step(True) for _ in range(attributed_steps(spec))]
+    steps = _timed_count(spec, steps, attributed, float(config.get("min_seconds", 0.0)))
     method.drain()
     dist.barrier()
     tx_attributed = link.read() - tx_begin if link is not None else 0
@@ -227,14 +248,15 @@ def train(
     dist.barrier()
     inter = None
     if stats0 is not None and stats1 is not None and burn0 is not None and burn1 is not None:
-        # over the attributed and the timed steps (2 x a multiple of k), the burnt step left out
+        # over the attributed and the timed steps (each a multiple of k), the burnt step left out
         at = lambda d, lvl: d["bytes_sent"][lvl]
         inter = {
-            lvl: (at(stats1, lvl) - at(burn1, lvl) + at(burn0, lvl) - at(stats0, lvl)) / (2 * steps)
+            lvl: (at(stats1, lvl) - at(burn1, lvl) + at(burn0, lvl) - at(stats0, lvl)) / (len(attributed) + steps)
             for lvl in (Level.INTRA, Level.INTER)
         }
     counted = state is not None or method.modelled is not None
     return {
+        "steps": steps,
         "attributed": attributed,
         "unsync_elapsed": elapsed,
         "unsync_cpu_s": cpu,
@@ -248,5 +270,5 @@ def train(
         # node leaders on the testbed: the bytes their node's link sent in each timed step, and per
         # attributed step (everything those steps launched, drained: the barriers' few bytes too)
         "link_tx_steps": link_steps if link is not None else None,
-        "link_tx_per_step": tx_attributed / steps if link is not None else None,
+        "link_tx_per_step": tx_attributed / len(attributed) if link is not None else None,
     }
