@@ -31,6 +31,7 @@ from hiersync.localsgd import Registry
 from hiersync.schedule import Schedule
 from hiersync.sync import CrossNodeSync
 from hiersync.topology import Topology
+from hiersync.transport import GroupRail
 
 LAYERS, WIDTH, L = 8, 1024, 2
 TARGET = 4.0
@@ -42,6 +43,7 @@ class _Node:
     def __init__(self) -> None:
         self.topology = Topology.from_node_ids([0, 0, 1, 1])
         self.groups = types.SimpleNamespace(node_size=L, local_rank=0)
+        self.rail = GroupRail(None, nodes=2)
 
     def rail_nodes(self) -> int:
         return 2
@@ -65,7 +67,8 @@ def _engine() -> tuple[CrossNodeSync, list[torch.Tensor]]:
     registry = Registry()
     registry.register(params)
     averager = ReplicatedNodeAverager(_Node(), registry)
-    engine = CrossNodeSync(averager, Schedule(period=4, fragments=4), overlap=1, chunk_bytes=25 << 20)
+    schedule = Schedule(period=4, fragments=4)
+    engine = CrossNodeSync(averager, schedule, overlap=1, chunk_bytes=25 << 20, transport=averager.comm.rail)
     return engine, params
 
 

@@ -231,6 +231,20 @@ class RailAverager:
         return None if t is None else cls._here(t, device)
 
     # ------------------------------------------------------------- anchors
+    def backup(self, indices: Sequence[int]) -> Callable[[], None]:
+        c = self.chunk(indices)
+        saved = {key: getattr(c, key).clone() for key in _STATE if getattr(c, key) is not None}
+
+        def restore() -> None:  # into the persistent (possibly pinned) buffers where they exist
+            for key in _STATE:
+                now, old = getattr(c, key), saved.get(key)
+                if old is None or now is None or now.shape != old.shape:
+                    setattr(c, key, old)
+                else:
+                    now.copy_(old)
+
+        return restore
+
     def capture(self, chunks: Sequence[Sequence[int]]) -> None:
         if not self.needs_anchor:
             return
@@ -433,7 +447,7 @@ class ReplicatedNodeAverager(RailAverager):
 
     def __init__(self, comm: Any, registry: Registry, *, hook: HookAverager | None = None, **options: Any) -> None:
         topo = comm.topology
-        even = topo.even and topo.num_nodes > 1
+        even = topo.even and comm.rail.across_nodes
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
         super().__init__(comm, registry, transfer=transfer, **options)
         if self.codec is not None and not topo.even:

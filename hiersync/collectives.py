@@ -36,6 +36,7 @@ from .futures import after, completed, ready_now, span, then, wait, when_all, wr
 from .issuing import Sequencer, all_gather, issue, reduce_scatter
 from .stats import Stats
 from .topology import Groups
+from .transport import GroupRail, Transport
 from .vocab import INTRA_ALGORITHMS, Level, default_intra_algorithm
 
 INTRA, INTER = Level.INTRA, Level.INTER
@@ -56,9 +57,12 @@ class HierComm:
         stats: Stats | None = None,
         label: Callable[[], str] = lambda: "",
         intra_algorithm: str | None = None,
+        rail: Transport | None = None,
     ) -> None:
         self.groups = groups
         self.topology = groups.topology
+        self.rail: Transport = rail if rail is not None else GroupRail(groups.rail, groups.topology.num_nodes)
+        """The cross-node leg: every collective between nodes goes through it."""
         self.stats = stats if stats is not None else Stats()
         self.label = label
         self.world_size = self.topology.world_size
@@ -79,23 +83,18 @@ class HierComm:
         """``what`` plus the step context, this rank and the ranks of the groups involved."""
         g, topo = self.groups, self.topology
         node = list(topo.node_ranks(g.rank))
-        rail = list(topo.rail(g.local_rank))
         ctx = self.label()
-        where = f"rank {g.rank}, node ranks {node}, rail ranks {rail}"
+        where = f"rank {g.rank}, node ranks {node}, {self.rail.describe(list(topo.rail(g.local_rank)))}"
         return f"{what} ({ctx}; {where})" if ctx else f"{what} ({where})"
 
     # ------------------------------------------------------------- the rail
     def rail_nodes(self) -> int:
-        """Nodes that take part in a rail collective: the topology's (a fault-tolerant rail: its quorum's)."""
-        return self.topology.num_nodes
+        """Nodes that take part in a rail collective: the topology's (torchft's rail: the quorum's)."""
+        return self.rail.nodes() if self.rail.across_nodes else 1
 
     def rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
-        """Sum ``tensor`` in place over this rank's rail; the future's value is ``[tensor]``.
-
-        Every collective across nodes goes through here (callers divide by
-        :meth:`rail_nodes` first), so a different rail (torchft's) replaces these two methods.
-        """
-        return issue(dist.all_reduce, tensor, group=self.groups.rail, what=what)
+        """Sum ``tensor`` in place over this rank's rail (callers divide by :meth:`rail_nodes`)."""
+        return self.rail.allreduce(tensor, what)
 
     def _sequenced_rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
         """:meth:`rail_allreduce` in the rail's issue order: at once when nothing waits before it.
@@ -114,8 +113,8 @@ class HierComm:
         ``tensor`` may be modified in place (it is divided by the world size).
         """
         g = self.groups
-        L, N = g.node_size, self.topology.num_nodes
-        if self.world_size == 1:
+        L, N = g.node_size, self.rail_nodes()
+        if L * N == 1:
             return completed(tensor, tensor.device)
         if not self.topology.even:
             return self._allreduce_uneven(tensor)
@@ -269,7 +268,11 @@ class HierComm:
         return after(red, lambda: tensor, tensor.device)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Average ``tensor`` with one all-reduce over the world (what DDP's default does)."""
+        """Average ``tensor`` with one all-reduce over the world (what DDP's default does).
+
+        Where no group spans the nodes' ranks (torchft's rail), the two-level all-reduce."""
+        if self.rail.world_group is None:
+            return self.allreduce(tensor)
         if self.world_size == 1:
             return completed(tensor, tensor.device)
         level = INTER if self.topology.num_nodes > 1 else INTRA
@@ -296,7 +299,7 @@ class HierComm:
         """
         g = self.groups
         topo = self.topology
-        N = topo.num_nodes
+        N = self.rail_nodes()
         if N == 1:
             return completed(flat, flat.device)
         if not topo.even:
@@ -383,12 +386,12 @@ class HierComm:
         return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
 
     def rail_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
-        """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it (see :meth:`rail_allreduce`)."""
-        return issue(dist.all_to_all_single, out, tensor, group=self.groups.rail, what=what)
+        """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it."""
+        return self.rail.all_to_all(out, tensor, what)
 
     def rail_all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
-        """Every rail rank's ``tensor`` into ``out``, in rail order (see :meth:`rail_allreduce`)."""
-        return issue(all_gather, out, tensor, group=self.groups.rail, what=what)
+        """Every rail rank's ``tensor`` into ``out``, in rail order."""
+        return self.rail.all_gather(out, tensor, what)
 
     def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
         """All-gather the node's shards (``L * len(shard)`` values) into ``out``; the future holds it."""

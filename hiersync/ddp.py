@@ -47,7 +47,6 @@ from .frontend import SyncState
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import HookAverager, HookLaunch, options_of
-from .sync import world_mean
 from .vocab import COMPRESS_CODES, StepKind
 
 __all__ = ["HierState", "hook", "register", "HierSyncError"]
@@ -111,18 +110,8 @@ class HierState(SyncState):
         super().attach_optimizer(optimizer)
         self._unhook_skip()
 
-    def synchronize(self, model: torch.nn.Module) -> None:
-        """Blocking: make every rank's parameters and floating buffers identical (world mean).
-
-        Applies syncs in flight first. Use it before evaluation and before saving a single
-        checkpoint for all ranks; it also works right after :meth:`load_state_dict`. Collective.
-        """
-        if self._model is None:
-            self._model = model
-        self.drain()
-        tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
-        with record_function("hiersync/synchronize"):
-            world_mean(self.comm, tensors, self.config.chunk_bytes)
+    def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [], list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
 
     def close(self) -> None:
         """Remove hiersync's optimizer and global hooks and destroy its process groups.
@@ -297,7 +286,7 @@ def register(
     A ``DistributedDataParallel`` model gets a :class:`HierState` with the hook registered
     (``optimizer`` optional; it may be a framework's wrapper, e.g. Accelerate's
     ``AcceleratedOptimizer``: the torch optimizer inside it is attached). ``manager=`` (a
-    ``torchft.Manager``, DDP only) puts the inter-node leg on torchft's fault-tolerant replica
+    ``torchft.Manager``; DDP or FSDP2) puts the inter-node leg on torchft's fault-tolerant replica
     groups: each node is its own torchrun job and training goes on when nodes die or join
     (:mod:`hiersync.ft`). A module that
     ``fully_shard`` was called on (FSDP2, sharded over :func:`hiersync.node_mesh`) gets a
@@ -310,14 +299,10 @@ def register(
     from .fsdp import FSDPState, is_fsdp2
 
     manager = options.pop("manager", None)
-    if manager is not None and not is_fsdp2(model):
+    if manager is not None:
         from .ft import register_with_manager  # the inter-node leg on torchft (survives node loss)
 
         return register_with_manager(model, optimizer, manager, **options)
-    if manager is not None:
-        raise TypeError(
-            "hiersync.register(..., manager=...) supports DDP models: FSDP2 with a torchft manager is not supported"
-        )
     if is_fsdp2(model):
         if optimizer is None:
             raise TypeError(

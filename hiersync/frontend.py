@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from . import state_io
 from .averagers import RailAverager
@@ -26,8 +27,9 @@ from .guard import NonFiniteGuard
 from .localsgd import HookAverager, Registry
 from .optstate import with_optimizer_state
 from .stats import Stats
-from .sync import Averager, CrossNodeSync
+from .sync import Averager, CrossNodeSync, mean_into
 from .topology import Topology, check_layout, world_timeout
+from .transport import Window
 from .vocab import StepKind
 
 __all__ = ["SyncState"]
@@ -103,6 +105,7 @@ class SyncState:
             cfg.schedule,
             overlap=cfg.overlap,
             chunk_bytes=cfg.chunk_bytes,
+            transport=self.comm.rail,
             model_positions=lambda: state_io.model_positions(self),
         )
 
@@ -160,6 +163,36 @@ class SyncState:
             accelerate.rank_states_of(self).load_state_dict(state_dict)
             return
         state_io.load(self, state_dict)
+
+    def synchronize(self, model: torch.nn.Module | None = None) -> None:
+        """Blocking: make every rank's parameters and floating buffers identical (the world mean).
+
+        Applies syncs in flight first. Use it before evaluation and before saving a single
+        checkpoint for all ranks; it also works right after :meth:`load_state_dict`. Collective.
+        """
+        if self._model is None:
+            self._model = model
+        self.drain()
+        self._average_model(model if model is not None else self._model)
+
+    def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What :meth:`synchronize` averages: (this rank's shards, averaged on its rail; tensors
+        every rank of the node holds alike, averaged over the world)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _average_model(self, model: torch.nn.Module | None, window: Window | None = None) -> None:
+        """Average ``model`` across every rank, in ``window`` (written only if it commits)."""
+        assert model is not None, "synchronize(model) needs the model"
+        shards, replicated = self._model_tensors(model)
+        droppable = window is not None and self.comm.rail.droppable
+        targets = [[t.detach().clone() for t in ts] if droppable else ts for ts in (shards, replicated)]
+        with record_function("hiersync/synchronize"):
+            mean_into(self.comm.average_shard, targets[0], self.config.chunk_bytes)
+            mean_into(self.comm.allreduce, targets[1], self.config.chunk_bytes)
+        if window is not None and self.comm.rail.decide(window) and droppable:
+            for t, new in zip(shards + replicated, targets[0] + targets[1]):
+                t.copy_(new)
 
     def drain(self) -> None:
         """Wait for every cross-node sync in flight and apply it to the parameters. Collective."""

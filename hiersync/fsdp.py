@@ -33,15 +33,13 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from .averagers import ShardedNodeAverager
 from .ddp_checks import check_usable
 from .frontend import SyncState
 from .futures import wait
 from .guard import flag
-from .localsgd import chunk_by_bytes, options_of
-from .sync import world_mean
+from .localsgd import options_of
 from .topology import Topology
 from .vocab import StepKind
 
@@ -151,27 +149,12 @@ class FSDPState(SyncState):
                 )
 
     # ------------------------------------------------------------------ public
-    def synchronize(self, model: torch.nn.Module | None = None) -> None:
-        """Blocking: every node holds the same parameters (the world mean) and buffers. Collective.
-
-        Applies syncs in flight first. A rank's shards are averaged on its rail (the node's
-        ranks hold different shards); floating buffers, replicated by FSDP2, over the world.
-        """
-        model = model if model is not None else self._model
-        assert model is not None
-        self.drain()  # resharded: the parameters are the DTensor shards
-        with torch.no_grad(), record_function("hiersync/synchronize"):
-            shards = [cast(Any, p).to_local() for p in model.parameters()]
-            for idx in chunk_by_bytes([t.numel() * 4 for t in shards], self.config.chunk_bytes):
-                chunk = [shards[i] for i in idx]
-                flat = torch.cat([t.detach().reshape(-1).float() for t in chunk])
-                flat = wait(self.comm.average_shard(flat))
-                offset = 0
-                for t in chunk:
-                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                    offset += t.numel()
-            buffers = [b for b in model.buffers() if b.is_floating_point()]
-            world_mean(self.comm, buffers, self.config.chunk_bytes)
+    def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A rank's own parameter shards (averaged on its rail: the node's ranks hold different
+        shards) and the floating buffers, which FSDP2 replicates (over the world). Resharded
+        first (:meth:`drain`): the parameters are then the DTensor shards."""
+        shards = [cast(Any, p).to_local() for p in model.parameters()]
+        return shards, [b for b in model.buffers() if b.is_floating_point()]
 
     def drain(self) -> None:
         """Wait for every cross-node sync in flight and apply it to the parameter shards. Collective."""

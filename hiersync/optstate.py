@@ -17,7 +17,7 @@ as values, and its own rounding error does not accumulate across windows).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,9 @@ class WithOptimizerState:
 
     def capture(self, chunks: Sequence[Sequence[int]]) -> None:
         self.base.capture(chunks)
+
+    def backup(self, indices: Sequence[int]) -> Callable[[], None]:
+        return self.base.backup(indices)  # the state tensors' averages keep nothing between syncs
 
     def shard_numel(self, indices: Sequence[int]) -> int:
         return sum(a.shard_numel(indices) for a in self.all)

@@ -18,12 +18,18 @@ overlapped, so every node issues the same collectives in the same order.
 
 Example::
 
-    >>> engine = CrossNodeSync(averager, Schedule(period=4), overlap=1, chunk_bytes=25 * 2**20)
+    >>> engine = CrossNodeSync(averager, Schedule(period=4), overlap=1, chunk_bytes=25 * 2**20, transport=comm.rail)
     >>> engine.mark_due(3); engine.after_step(4)   # sync step 3: launched after optimizer.step()
     >>> engine.after_step(5)                       # step 4: its correction is applied
 
 Streaming (``Schedule(fragments=F)``): only the fragments due after a step are averaged,
 each applied ``overlap`` steps after its launch; several may be in flight.
+
+Every sync runs in a *window* of the :class:`~hiersync.transport.Transport` (the rail): opened
+at its launch, decided when its averages are in (blocking) or when its corrections are due
+(overlapped). On a process-group rail every window commits; on torchft's a window can be
+dropped, and then nothing it changed stays (its corrections are not applied, the chunks'
+state it changed is restored from the backups taken at its launch).
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from torch.profiler import record_function
 from .futures import wait
 from .localsgd import chunk_by_bytes
 from .schedule import Schedule, fragment_layout
+from .transport import Marker, Transport, Window
 
-__all__ = ["Averager", "Launched", "Correction", "CrossNodeSync", "world_mean"]
+__all__ = ["Averager", "Launched", "Correction", "CrossNodeSync", "mean_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,12 @@ class Correction:
     """Applied by the first :meth:`CrossNodeSync.after_step` whose step count is at least this."""
     future: torch.futures.Future | None = None
     shard: torch.Tensor | None = None
+    window: Window | None = None
+    """The window it was launched in (None: loaded from a checkpoint, hence committed)."""
+
+    @property
+    def committed(self) -> bool:
+        return self.window is None or bool(self.window.committed)
 
 
 class Averager(Protocol):
@@ -107,6 +120,11 @@ class Averager(Protocol):
 
     def capture(self, chunks: Sequence[Sequence[int]]) -> None:
         """Remember the current values as the anchor of every chunk that has none yet."""
+        ...
+
+    def backup(self, indices: Sequence[int]) -> Callable[[], None]:
+        """Copy what a sync of this chunk changes in the state kept between syncs (anchor,
+        momentum, error feedback); the callable puts it back (a dropped window)."""
         ...
 
     def launch(self, indices: Sequence[int]) -> Launched:
@@ -163,15 +181,20 @@ class CrossNodeSync:
         *,
         overlap: int,
         chunk_bytes: int,
+        transport: Transport,
         model_positions: Callable[[], Sequence[int] | None] | None = None,
     ) -> None:
         self.averager = averager
         self.schedule = schedule
         self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
+        self.transport = transport
         self.model_positions = model_positions
         """Each registry position's index in ``model.parameters()`` (None: unknown). The fragments
         are packed in the model's order, so both front-ends stream the same fragments."""
+        self.open_window: Callable[[Marker], Window | None] = self._open_window
+        """Opens the window of a sync launch; None when the front-end resumed elsewhere (the
+        manager mode: this node was healed into another place of the schedule)."""
         self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
         self._layout: list[list[int]] | None = None
@@ -214,11 +237,9 @@ class CrossNodeSync:
         if due is None:
             return
         step, fragments = due
+        apply_at = step + 1 + self.overlap if self.overlap else 0
         with torch.no_grad(), record_function("hiersync/sync_after_step"):
-            if self.overlap:
-                self.launch_overlapped(fragments, apply_at=step + 1 + self.overlap)
-            else:
-                self.run_blocking(fragments)
+            self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
 
     def launch_due(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""
@@ -226,7 +247,16 @@ class CrossNodeSync:
         if late is not None:
             step, fragments = late
             with torch.no_grad(), record_function("hiersync/sync_launched_late"):
-                self.launch_overlapped(fragments, apply_at=step + 1 + max(self.overlap, 1))
+                self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
+
+    def _sync(self, marker: Marker) -> None:
+        window = self.open_window(marker)
+        if window is not None:
+            self.run_window(window)
+
+    def _open_window(self, marker: Marker) -> Window:
+        params = self.averager.params
+        return self.transport.open(marker, params[0].device if params else torch.device("cpu"))
 
     def _take_due(self, where: str) -> tuple[int, Sequence[int]] | None:
         """The due sync that ``optimizer.step()`` did not launch (logged), or None; no longer due."""
@@ -274,23 +304,32 @@ class CrossNodeSync:
         if any(c.fragment == f for c in self.in_flight):
             self.apply_corrections(None, fragment=f)
 
-    def run_blocking(self, fragments: Sequence[int] = (0,)) -> None:
-        """Average ``fragments`` across nodes now (chunked, all chunks in flight at once)."""
-        avg = self.averager
-        for f in fragments:
-            self._settle_fragment(f)
-        launched = [avg.launch(idx) for _, idx in self.chunks(fragments)]
-        for job in launched:
-            avg.write(job.indices, avg.complete(job))
-
     @torch.no_grad()
-    def launch_overlapped(self, fragments: Sequence[int] = (0,), apply_at: int = 0) -> None:
-        """Launch the average of ``fragments``; apply it at ``apply_at`` as a correction."""
-        for f in fragments:
+    def run_window(self, window: Window) -> None:
+        """Launch the sync ``window.marker`` names (chunked, all chunks in flight at once):
+        blocking (decided and written now) or overlapped (corrections in flight until ``apply_at``)."""
+        m, avg, rail = window.marker, self.averager, self.transport
+        for f in m.fragments:
             self._settle_fragment(f)
-        for f, idx in self.chunks(fragments):
-            future = self.averager.launch_correction(idx)
-            self.in_flight.append(Correction(idx, f, apply_at, future=future))
+        chunks = self.chunks(m.fragments)
+        if rail.droppable:
+            window.restore += [avg.backup(idx) for _, idx in chunks]
+        if m.overlapped:
+            for f, idx in chunks:
+                future = avg.launch_correction(idx)
+                if rail.droppable:  # the vote waits for it: a failure on the rail is known by then
+                    window.futures.append(future)
+                self.in_flight.append(Correction(idx, f, m.apply_at, future=future, window=window))
+            return
+        launched = [avg.launch(idx) for _, idx in chunks]
+        if not rail.droppable:  # chunk by chunk: one target at a time
+            for job in launched:
+                avg.write(job.indices, avg.complete(job))
+            return
+        targets = [avg.complete(job) for job in launched]  # garbage where the rail failed: never written
+        if rail.decide(window):
+            for job, target in zip(launched, targets):
+                avg.write(job.indices, target)
 
     def capture_anchor(self) -> None:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
@@ -302,9 +341,14 @@ class CrossNodeSync:
         ``fragment``: those of that fragment) to the parameters, in launch order.
 
         Checked first, all of them: a correction that does not fit the registered
-        parameters raises ``ValueError`` and nothing is applied or dropped.
+        parameters raises ``ValueError`` and nothing is applied or dropped. Their windows
+        are decided first: a dropped window's corrections are discarded (local progress kept).
         """
-        self._apply(self._due_corrections(steps_done, fragment))
+        due = self._due_corrections(steps_done, fragment)
+        for c in due:
+            if c.window is not None:
+                self.transport.decide(c.window)
+        self._apply(due)
 
     def _due_corrections(self, steps_done: int | None, fragment: int | None) -> list[Correction]:
         """The corrections in flight due at ``steps_done`` (of ``fragment``), each checked to fit."""
@@ -317,14 +361,14 @@ class CrossNodeSync:
             self._check_fits(c)
         return due
 
-    def _apply(self, due: list[Correction], keep: Callable[[Correction], bool] = lambda c: True) -> None:
-        """Take ``due`` out of flight and add those ``keep`` accepts to the parameters, in launch order."""
+    def _apply(self, due: list[Correction]) -> None:
+        """Take ``due`` out of flight and add the committed ones to the parameters, in launch order."""
         if not due:
             return
         self.in_flight = [c for c in self.in_flight if all(c is not d for d in due)]
         avg = self.averager
         for c in due:
-            if not keep(c):
+            if not c.committed:
                 continue
             if c.future is not None:
                 avg.add_correction(c.indices, wait(c.future))
@@ -349,7 +393,11 @@ class CrossNodeSync:
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
-        """Averager state plus corrections in flight (waited for first: that updates the anchor)."""
+        """Averager state plus corrections in flight (waited for first: that updates the anchor).
+
+        Every window is decided first: only committed corrections are saved."""
+        self.transport.settle()
+        self.in_flight = [c for c in self.in_flight if c.committed]
         saved = []
         for c in self.in_flight:
             if c.future is not None:
@@ -384,11 +432,17 @@ def _launch_due(ref: weakref.ref) -> None:
 
 
 @torch.no_grad()
-def world_mean(comm: Any, tensors: list[torch.Tensor], chunk_bytes: int) -> None:
-    """Overwrite ``tensors`` with their mean over the world (fp32 on the wire, chunked). Collective."""
+def mean_into(
+    average: Callable[[torch.Tensor], torch.futures.Future], tensors: list[torch.Tensor], chunk_bytes: int
+) -> None:
+    """Overwrite ``tensors`` with ``average`` of their values (fp32 on the wire, chunked). Collective.
+
+    ``average``: ``comm.allreduce`` (the world mean of replicated tensors) or
+    ``comm.average_shard`` (the rail mean of a sharded node's own shards).
+    """
     for idx in chunk_by_bytes([t.numel() * 4 for t in tensors], chunk_bytes):
         chunk = [tensors[i] for i in idx]
-        flat = wait(comm.allreduce(torch.cat([t.detach().reshape(-1).float() for t in chunk])))
+        flat = wait(average(torch.cat([t.detach().reshape(-1).float() for t in chunk])))
         offset = 0
         for t in chunk:
             t.copy_(flat[offset : offset + t.numel()].view(t.shape))

@@ -181,7 +181,7 @@ def _signal_on_next_sync(state: Any, after_step: int, sig: int) -> None:
     real = comm.rail_allreduce
 
     def rail_allreduce(tensor: torch.Tensor, what: str) -> Any:
-        w = comm.window
+        w = comm.rail.window
         if w is not None and w.kind == "sync" and w.marker.step > after_step and "barrier" not in what:
             os.kill(os.getpid(), sig)
         return real(tensor, what)

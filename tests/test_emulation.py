@@ -152,10 +152,10 @@ SITES = {
     "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
     "after_reads_unwaited": ("hiersync.futures", "cb", PARITY),
-    "synchronize_reads_unwaited": ("hiersync.sync", "world_mean", SYNCHRONIZE),
+    "synchronize_reads_unwaited": ("hiersync.sync", "mean_into", SYNCHRONIZE),
     "fsdp_gradient_shard_read_unwaited": ("hiersync.fsdp", "_on_reduced", FSDP_EXACT),  # exact step, in FSDP's hook
     "fsdp_correction_added_unwaited": ("hiersync.sync", "_apply", FSDP_OVERLAP),
-    "fsdp_synchronize_reads_unwaited": ("hiersync.fsdp", "synchronize", FSDP_EXACT),
+    "fsdp_synchronize_reads_unwaited": ("hiersync.sync", "mean_into", FSDP_EXACT),
 }
 CAUGHT = ("not close", "nan", "PoisonedWrite", "ranks differ", "non-finite", "differs from rank")
 

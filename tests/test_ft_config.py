@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from hiersync.ft import FaultTolerantState, register_with_manager
-from hiersync.ft_rail import Marker, import_torchft
+from hiersync.ft import _manager_comm, register_with_manager
+from hiersync.transport import Marker, import_torchft
 
 
 class _FakeManager:
@@ -35,7 +35,7 @@ def test_missing_torchft_names_the_extra(monkeypatch):
 def test_not_a_manager():
     pytest.importorskip("torchft")
     with pytest.raises(TypeError, match=r"torchft\.Manager"):
-        FaultTolerantState(object(), period=4)
+        _manager_comm(object(), {"period": 4})
 
 
 def test_async_quorum_is_refused():
@@ -43,27 +43,14 @@ def test_async_quorum_is_refused():
     m = _FakeManager()
     m._use_async_quorum = True
     with pytest.raises(ValueError, match=r"use_async_quorum=False"):
-        FaultTolerantState(m, period=4)
-
-
-@pytest.mark.parametrize("compress", ["int8", "int4"])
-def test_low_bit_compression_is_refused(compress):
-    pytest.importorskip("torchft")
-    with pytest.raises(ValueError, match=f"compress='{compress}'.*bf16"):
-        FaultTolerantState(_FakeManager(), period=4, compress=compress)
-
-
-def test_optimizer_state_averaging_is_refused():
-    pytest.importorskip("torchft")
-    with pytest.raises(ValueError, match=r"average_optimizer_state=\('exp_avg',\) is not supported.*leave"):
-        FaultTolerantState(_FakeManager(), period=4, average_optimizer_state=("exp_avg",))
+        _manager_comm(m, {"period": 4})
 
 
 @pytest.mark.parametrize("name", ["process_group", "topology", "comm"])
 def test_own_groups_are_refused(name):
     pytest.importorskip("torchft")
     with pytest.raises(ValueError, match=f"{name}= is not supported"):
-        FaultTolerantState(_FakeManager(), period=4, **{name: object()})
+        _manager_comm(_FakeManager(), {"period": 4, name: object()})
 
 
 def test_optimizer_is_required():

@@ -20,6 +20,7 @@ from hiersync import HierState
 from hiersync.futures import HierSyncError, completed, failed, wait, when_all
 from hiersync.issuing import Sequencer
 from hiersync.stats import Stats
+from hiersync.transport import GroupRail
 
 CPU = torch.device("cpu")
 
@@ -116,6 +117,7 @@ class FakeComm:
         self.topology = hiersync.Topology.from_node_ids([0])
         self.groups = types.SimpleNamespace(destroy=lambda: self.calls.append("destroy"))
         self.stats = Stats()
+        self.rail = GroupRail(None, nodes=1)
         self.intra_algorithm = "allreduce_bcast"
         self.calls: list[str] = []
         self.target_scale = target_scale  # "the average across nodes" = this x the local value
@@ -264,6 +266,7 @@ def test_sharded_state_dict_is_a_snapshot():
         topology=hiersync.Topology.from_node_ids([0, 0, 1, 1]),
         groups=types.SimpleNamespace(node_size=2, local_rank=0),
         average_shard=lambda t: completed(t),
+        rail=GroupRail(None, nodes=2),
     )
     registry = Registry()
     params = [torch.nn.Parameter(torch.arange(6.0))]

@@ -22,6 +22,7 @@ from hiersync.localsgd import Registry
 from hiersync.schedule import Schedule, fragment_layout
 from hiersync.sync import CrossNodeSync
 from hiersync.topology import Topology
+from hiersync.transport import GroupRail
 
 N = 2  # nodes
 SIZES = [6, 5, 7, 4, 3]  # parameter sizes (elements)
@@ -36,6 +37,7 @@ class _Comm:
     def __init__(self, sharded: bool) -> None:
         self.topology = Topology.from_node_ids([0, 0, 1, 1] if sharded else [0, 1])
         self.groups = types.SimpleNamespace(node_size=2 if sharded else 1, local_rank=0)
+        self.rail = GroupRail(None, N)
         self.sent: list[int] = []  # elements of each payload, in launch order
 
     def average_shard(self, shard: torch.Tensor) -> torch.futures.Future:
@@ -64,7 +66,9 @@ def _engine(kind: str, cfg: dict, params: list[torch.Tensor]) -> CrossNodeSync:
     else:
         averager = ReplicatedNodeAverager(comm, registry, **opts)
     schedule = Schedule(period=cfg["period"], warmup_steps=cfg.get("warmup", 0), fragments=cfg["fragments"])
-    return CrossNodeSync(averager, schedule, overlap=cfg["tau"], chunk_bytes=cfg.get("chunk_bytes", 1 << 20))
+    return CrossNodeSync(
+        averager, schedule, overlap=cfg["tau"], chunk_bytes=cfg.get("chunk_bytes", 1 << 20), transport=comm.rail
+    )
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-6) -> None:

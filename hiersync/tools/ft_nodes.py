@@ -61,7 +61,7 @@ class Lighthouse:
         heartbeat_timeout_ms: int = 1000,
         quorum_tick_ms: int = 50,
     ) -> None:
-        from ..ft_rail import import_torchft
+        from ..transport import import_torchft
 
         import_torchft()
         from torchft._torchft import LighthouseServer

@@ -1,0 +1,396 @@
+"""The cross-node leg: one interface, two implementations (the process-group rail, torchft's).
+
+Every collective that crosses nodes runs on this rank's *rail* (the ranks with its local
+rank on every node) and goes through a :class:`Transport`: an all-reduce, an all-to-all and
+an all-gather of a rail piece, and the *window* the collectives belong to. A window is the
+cross-node work of one agreement on who takes part: the start of training, one exact step,
+one sync launch (the fragments due after one step), ``synchronize()``. It commits or is
+dropped as a whole; a dropped window leaves parameters, anchors, momentum, residuals and
+optimizer state as if it had never been launched (the engine restores what it backed up).
+
+* :class:`GroupRail` is a ``torch.distributed`` group over the rail: its windows always
+  commit, nothing is voted, nothing is backed up.
+* :class:`TorchftRail` is the process group of a ``torchft.Manager``, rebuilt by torchft when
+  nodes leave or join: each window holds a quorum (a joiner is healed inside it), its
+  collectives never fail their futures (a failure is recorded in the window, whose results
+  nobody applies), and the node votes with ``should_commit``. Windows are decided in the
+  order they were opened, each once, on every rank of the node alike, so torchft's step
+  (committed windows) tells a node that missed a commit that it is behind.
+
+Every codec (fp32, bf16/fp16, int8/int4 with error feedback), averager (a node of replicas
+or a sharded node) and schedule (blocking, overlapped, streaming) runs over either.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .futures import HierSyncError, completed, then, wait
+from .issuing import all_gather, issue
+
+__all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "import_torchft"]
+
+logger = logging.getLogger(__name__)
+
+
+def import_torchft() -> Any:
+    """torchft, or an ImportError that names the extra to install."""
+    try:
+        import torchft
+    except ImportError as e:
+        raise ImportError(
+            "hiersync.register(..., manager=...) needs torchft: pip install 'hiersync[peers]' (or pip install torchft)"
+        ) from e
+    return torchft
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Where in the schedule a window is opened; a joiner healed in it resumes exactly there.
+
+    ``kind``: ``"start"`` (before the first step), ``"exact"`` (before exact step ``step``),
+    ``"sync"`` (the launch of ``fragments``, which sync after step ``step``) or
+    ``"synchronize"`` (``state.synchronize(model)``).
+    """
+
+    kind: str
+    step: int
+    fragments: tuple[int, ...] = ()
+    overlapped: bool = False
+    """A sync applied later as a correction (else blocking)."""
+    apply_at: int = 0
+    """An overlapped sync's corrections apply after this many steps are done."""
+
+    def describe(self) -> str:
+        if self.kind == "sync":
+            frags = "" if self.fragments == (0,) else f" of fragments {list(self.fragments)}"
+            return f"the sync{frags} after step {self.step}"
+        if self.kind == "exact":
+            return f"exact step {self.step}"
+        if self.kind == "synchronize":
+            return f"synchronize() at step {self.step}"
+        return "the start of training"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "fragments": list(self.fragments),
+            "overlapped": self.overlapped,
+            "apply_at": self.apply_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Marker:
+        return cls(d["kind"], int(d["step"]), tuple(d["fragments"]), bool(d["overlapped"]), int(d["apply_at"]))
+
+
+@dataclass(eq=False)
+class Window:
+    """The cross-node work of one agreement: what it launched, whether it failed, whether it committed."""
+
+    index: int
+    """Order of opening on this rank (windows are decided in this order)."""
+    marker: Marker
+    quorum_id: int
+    participants: int
+    """Nodes taking part: the divisor of every average in this window."""
+    error: str | None = None
+    """The first failure of one of its rail collectives, if any."""
+    committed: bool | None = None
+    """None until decided."""
+    futures: list[torch.futures.Future] = field(default_factory=list)
+    """What must be complete before the vote (the corrections of an overlapped sync)."""
+    restore: list[Callable[[], None]] = field(default_factory=list)
+    """What puts the state a dropped window changed back (the engine's backups)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def kind(self) -> str:
+        return self.marker.kind
+
+    def fail(self, e: BaseException, what: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class Transport(Protocol):
+    """What the collectives (:class:`~hiersync.collectives.HierComm`) and the engine ask of the rail."""
+
+    droppable: bool
+    """Whether a window can be dropped (then the engine backs up what a window changes)."""
+    across_nodes: bool
+    """Whether the rail joins other nodes (False: a one-node job; nothing to average)."""
+    world_group: Any
+    """A group over every rank of every node, for a flat all-reduce; None where there is none."""
+
+    def nodes(self) -> int:
+        """Nodes taking part in the current window's collectives."""
+        ...
+
+    def describe(self, ranks: list[int]) -> str:
+        """Where this rank's rail collectives run, for errors (``ranks``: the rail's global ranks)."""
+        ...
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Sum ``tensor`` in place over the rail; the future's value is ``[tensor]``."""
+        ...
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it."""
+        ...
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        """Every rail rank's ``tensor`` into ``out``, in rail order."""
+        ...
+
+    def open(self, marker: Marker, device: torch.device) -> Window:
+        """Agree on who takes part in the work ``marker`` names; that work's window."""
+        ...
+
+    def decide(self, window: Window) -> bool:
+        """Commit or drop ``window`` (and every window opened before it); whether it committed."""
+        ...
+
+    def settle(self) -> None:
+        """Decide every open window."""
+        ...
+
+
+class GroupRail:
+    """The rail as a ``torch.distributed`` group: windows always commit."""
+
+    droppable = False
+
+    def __init__(self, group: dist.ProcessGroup | None, nodes: int) -> None:
+        self.group = group
+        self._nodes = nodes
+        self.across_nodes = nodes > 1
+        self.world_group = dist.group.WORLD
+        self._count = 0
+
+    def nodes(self) -> int:
+        return self._nodes
+
+    def describe(self, ranks: list[int]) -> str:
+        return f"rail ranks {ranks}"
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        return issue(dist.all_reduce, tensor, group=self.group, what=what)
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        return issue(dist.all_to_all_single, out, tensor, group=self.group, what=what)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        return issue(all_gather, out, tensor, group=self.group, what=what)
+
+    def open(self, marker: Marker, device: torch.device) -> Window:
+        self._count += 1
+        return Window(self._count - 1, marker, quorum_id=-1, participants=self._nodes, committed=True)
+
+    def decide(self, window: Window) -> bool:
+        return True
+
+    def settle(self) -> None:
+        return None
+
+
+class TorchftRail:
+    """The rail on a ``torchft.Manager``'s process group: quorums, commits, failures kept in the window.
+
+    ``on_vote(window)`` is called once a window is decided (the front-end's counters).
+    """
+
+    droppable = True
+    across_nodes = True
+    world_group = None  # torchft reconfigures one group per rail; none spans the nodes' ranks
+
+    def __init__(self, manager: Any, on_vote: Callable[[Window], None] = lambda w: None, log: bool = False) -> None:
+        self.manager = manager
+        self.on_vote = on_vote
+        self.log = log  # this rank logs quorum changes (local rank 0 of each node)
+        self.window: Window | None = None
+        """The window whose collectives are being issued."""
+        self.undecided: list[Window] = []
+        self._count = 0
+        self._members: list[int] | None = None
+
+    # ------------------------------------------------------------- collectives
+    def nodes(self) -> int:
+        assert self.window is not None, "a rail collective outside a window"
+        return self.window.participants
+
+    def describe(self, ranks: list[int]) -> str:
+        w = self.window
+        return f"torchft quorum {w.quorum_id if w else '?'}"
+
+    def _issue(
+        self, op: Callable[..., Any], out: torch.Tensor, *inputs: torch.Tensor, what: str
+    ) -> torch.futures.Future:
+        """Launch ``op(out, *inputs)`` (a torchft work) in the current window; the future never fails.
+
+        A failure (a peer killed or frozen, the group reconfigured) is recorded in the window
+        and the future completes with ``[out]`` holding whatever the collective left there:
+        garbage nobody applies, since the window then does not commit.
+        """
+        window = self.window
+        assert window is not None, "a rail collective outside a window"
+        try:
+            fut = issue(lambda *ts, async_op=True: op(*ts), out, *inputs, what=what)
+        except Exception as e:  # e.g. the group is gone: its reconfiguration failed in the quorum
+            window.fail(e, what)
+            return completed([out], out.device)
+
+        def result(f: torch.futures.Future) -> list[torch.Tensor]:
+            try:
+                wait(f)
+            except Exception as e:
+                window.fail(e, what)
+            return [out]
+
+        return then(fut, result, out.device, what)
+
+    def allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type it as RedOpType
+        return self._issue(lambda t: self._pg().allreduce([t], opts), tensor, what=what)
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        op = lambda o, t: self._pg().alltoall_base(o, t, [], [], AllToAllOptions())
+        return self._issue(op, out, tensor, what=what)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        op = lambda o, t: self._pg().allgather([list(o.chunk(self.nodes()))], [t], AllgatherOptions())
+        return self._issue(op, out, tensor, what=what)
+
+    def _pg(self) -> Any:
+        return self.manager._pg  # torchft has no public accessor for the group it reconfigures
+
+    # ------------------------------------------------------------- windows
+    def quorum(self, marker: Marker) -> None:
+        """Decide every open window, then hold torchft's quorum for ``marker`` (may heal this node)."""
+        self.settle()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:
+            address = os.environ.get("TORCHFT_LIGHTHOUSE", "the lighthouse_addr= given to torchft.Manager")
+            raise HierSyncError(
+                f"hiersync: torchft could not form a quorum for {marker.describe()}: {type(e).__name__}: "
+                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}. Is the Lighthouse ({address}) running "
+                "and reachable from every node, and does the Manager's quorum_timeout cover the slowest node's time "
+                "between two syncs?"
+            ) from e
+
+    def open(self, marker: Marker, device: torch.device) -> Window:
+        """The window of the quorum just held (:meth:`quorum`); its members wait for each other once."""
+        manager = self.manager
+        window = self._new(marker, int(getattr(manager, "_quorum_id", -1)), max(1, int(manager.num_participants())))
+        self._log_members(window)
+        # Holds every member until a joiner healed in this quorum has its copy (torchft serves
+        # the live tensors of a CPU model until the next should_commit).
+        wait(self.allreduce(torch.ones(1, device=device), "the rail barrier after the quorum"))
+        return window
+
+    def reuse(self, marker: Marker) -> Window:
+        """A window for work without a quorum of its own (an exact step whose ``optimizer.step()``
+        was skipped on every node): the last quorum's members."""
+        last = self.window
+        return self._new(marker, last.quorum_id if last else -1, last.participants if last else 1)
+
+    def _new(self, marker: Marker, quorum_id: int, participants: int) -> Window:
+        window = Window(self._count, marker, quorum_id, participants)
+        self._count += 1
+        self.undecided.append(window)
+        self.window = window
+        return window
+
+    def abandon(self, window: Window) -> None:
+        """Forget a window that launched nothing but its barrier, without a vote (torchft's step stays)."""
+        assert window is self.undecided[-1] and not window.futures and not window.restore
+        self.undecided.remove(window)
+        window.committed = False
+
+    def decide(self, window: Window) -> bool:
+        while window.committed is None:
+            self._vote(self.undecided[0])
+        return bool(window.committed)
+
+    def settle(self) -> None:
+        while self.undecided:
+            self._vote(self.undecided[0])
+
+    def _vote(self, window: Window) -> None:
+        for fut in window.futures:
+            wait(fut)  # rail legs never fail; a failure inside the node does, and ends this node
+        window.futures = []
+        manager = self.manager
+        if window.error is not None:
+            manager.report_error(RuntimeError(window.error))
+        try:
+            ok = bool(manager.should_commit())
+        except Exception as e:
+            raise HierSyncError(
+                f"hiersync: torchft's should_commit for {window.marker.describe()} failed: {type(e).__name__}: {e} "
+                "(a rank of this node is gone or stuck?)"
+            ) from e
+        window.committed = ok
+        self.undecided.remove(window)
+        restore, window.restore = window.restore, []
+        if not ok:
+            for put_back in restore:
+                put_back()
+            why = window.error or str(manager.errored() or "a peer voted no")
+            logger.warning(
+                "hiersync: %s did not commit (%s): %s; training goes on with the nodes that remain",
+                window.marker.describe(),
+                why,
+                "its corrections are dropped, local progress is kept"
+                if window.kind == "sync"
+                else "it changes nothing",
+            )
+        self.on_vote(window)
+
+    # ------------------------------------------------------------- log
+    def _log_members(self, window: Window) -> None:
+        """Local rank 0 of each node logs the nodes that left and joined (from the replica ids' numbers)."""
+        ranks = getattr(self._pg(), "_global_ranks", None)
+        size = max(1, int(getattr(self.manager, "_group_world_size", 1)))
+        members = sorted({int(r) // size for r in ranks}) if ranks else None
+        before, self._members = self._members, members
+        if not self.log or before == members:
+            return
+        if before is None or members is None:
+            logger.info(
+                "hiersync: torchft quorum %d for %s: %d nodes %s",
+                window.quorum_id,
+                window.marker.describe(),
+                window.participants,
+                members if members is not None else "",
+            )
+            return
+        left = [n for n in before if n not in members]
+        joined = [n for n in members if n not in before]
+        logger.warning(
+            "hiersync: torchft quorum %d for %s: %d nodes %s; left: %s; joined: %s",
+            window.quorum_id,
+            window.marker.describe(),
+            window.participants,
+            members,
+            left or "-",
+            joined or "-",
+        )
