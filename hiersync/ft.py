@@ -323,6 +323,15 @@ class ManagerMode(SyncState):
             self._resume(self._open(Marker("exact", self.step)))
 
     # ------------------------------------------------------------------ public
+    def close(self) -> None:
+        """Decide the windows still open and take hiersync's state off the Manager (which
+        can serve another hiersync state then), then close as the front-end does."""
+        if not self._closed:
+            self.rail.settle()  # every node votes as often as the others: torchft's step stays in lockstep
+            for registry in (self.manager._load_state_dict_fns, self.manager._user_state_dicts):
+                registry.pop(STATE_KEY, None)
+        super().close()
+
     def synchronize(self, model: torch.nn.Module | None = None) -> None:
         """Blocking: average parameters and floating buffers over the quorum (one window). Collective.
 

@@ -261,3 +261,59 @@ def _add(model: nn.Module, values: torch.Tensor) -> None:
         for p in model.parameters():
             p.add_(values[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
+
+
+def train_window_dropped(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """``cfg["how"]``: ``"kill"``, the last node dies inside the sync after step ``cfg["at"]``
+    (after its quorum, in its first rail collective), so the survivors drop that window; or
+    ``"skip"``, no node launches that sync and the last node leaves right after that step.
+    The survivors return their parameters, the optimizer state and hiersync's state at the end.
+    ``cfg["frontend"]``: ``"ddp"`` or ``"fsdp"`` (the matrix's tiny model, AdamW)."""
+    import matrix_ranks
+
+    node, rank, last = ft_nodes.node_index(), dist.get_rank(), cfg["nodes"] - 1
+    torch.manual_seed(0)
+    model = matrix_ranks._build(cfg["frontend"], matrix_ranks.Blocks())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    mgr = ft_nodes.manager(timeout_s=cfg.get("timeout_s", 10.0), load_state_dict=lambda sd: None, state_dict=dict)
+    state = hiersync.register(model, opt, manager=mgr, start_nodes=cfg["nodes"], **cfg["options"])
+    at = cfg["at"]
+    if cfg["how"] == "kill" and node == last:
+        rail = state.comm.rail
+        for name in ("allreduce", "all_to_all"):
+            real = getattr(rail, name)
+
+            def dying(*args: Any, real: Any = real) -> Any:
+                w = rail.window
+                if w is not None and w.kind == "sync" and w.marker.step == at and "barrier" not in args[-1]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args)
+
+            setattr(rail, name, dying)
+    if cfg["how"] == "skip":
+        due = state.engine.mark_due
+        state.engine.mark_due = lambda step: None if step == at else due(step)
+    while state.step < cfg["steps"]:
+        x, y = matrix_ranks._batch(node, rank, state.step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if cfg["how"] == "skip" and node == last and state.step == at + 1:
+            mgr.shutdown(wait=False)  # leaves without a window for that sync
+            return None
+    saved = state.state_dict()
+    residuals = [
+        c[key].float()
+        for c in saved["averager"]["chunks"]
+        for key in ("residual", "reduced_residual")
+        if c.get(key) is not None
+    ]
+    exp_avg = [s["exp_avg"] for s in opt.state_dict()["state"].values()]
+    out = {
+        "params": matrix_ranks._full(model),
+        "exp_avg": torch.cat([(t.to_local() if hasattr(t, "to_local") else t).reshape(-1) for t in exp_avg]),
+        "residuals": residuals,
+        "stats": state.stats.as_dict(),
+    }
+    mgr.shutdown(wait=False)
+    return out

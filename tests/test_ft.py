@@ -388,3 +388,32 @@ def test_ft_testbed_kills_and_restarts_a_node_of_the_example(tmp_path):
     finals = {name: r["final_val_loss"] for name, r in runs.items() if name != "2.1"}
     assert all(v is not None for v in finals.values()) and len(set(finals.values())) == 1, text
     assert "healed from a live peer" in text, text
+
+
+@pytest.mark.parametrize(
+    "frontend, nodes, ranks",
+    [("ddp", 3, 1), pytest.param("fsdp", 2, 2, marks=pytest.mark.slow)],
+    ids=["ddp-3x1", "fsdp-2x2"],
+)
+def test_a_dropped_int4_window_leaves_state_as_if_never_launched(tmp_path, frontend, nodes, ranks):
+    """int4 deltas with error feedback, AdamW's exp_avg averaged, overlapped: the last node dies
+    inside the sync after step 7 and the survivors drop that window. Their parameters, exp_avg
+    and both error-feedback residuals at the end equal a run in which no node launched that
+    sync (and the last node left after step 7)."""
+    options = {"period": 2, "overlap": 1, "compress": "int4", "average_optimizer_state": ("exp_avg",)}
+    cfg = {"frontend": frontend, "nodes": nodes, "steps": 12, "at": 7, "options": options}
+    out = {}
+    for how in ("kill", "skip"):
+        with Lighthouse(min_replicas=1, heartbeat_timeout_ms=500) as lh, Nodes(lh.address, ranks) as group:
+            for n in range(nodes):
+                group.start(n, ft_ranks.train_window_dropped, (dict(cfg, how=how),))
+            out[how] = group.wait(list(range(nodes - 1)), timeout=120)
+    for n in range(nodes - 1):
+        for r in range(ranks):
+            dropped, never = out["kill"][n][r], out["skip"][n][r]
+            assert dropped["stats"]["failed_syncs"] == 1 and never["stats"]["failed_syncs"] == 0
+            for key in ("params", "exp_avg"):
+                torch.testing.assert_close(dropped[key], never[key], **TOL, msg=f"node {n} rank {r} {key}")
+            assert len(dropped["residuals"]) == len(never["residuals"]) > 0
+            for a, b in zip(dropped["residuals"], never["residuals"]):
+                torch.testing.assert_close(a, b, **TOL)
