@@ -15,6 +15,7 @@ this machine (loopback gloo; real CPU compute), in two parts:
   dropped, and whether their step counter ever went back (steps lost).
 
     flock /tmp/hiersync-heavy.lock python benchmarks/fault_tolerance.py
+    python benchmarks/fault_tolerance.py --parts overhead --periods 4 --options fragments=4,overlap=1,compress=int4
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _train(ddp, opt, state, lm, args, node: int, device, report) -> list[float]:
     return times
 
 
-def plain_rank(steps: int, period: int) -> dict:
+def plain_rank(steps: int, period: int, options: dict | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -67,12 +68,12 @@ def plain_rank(steps: int, period: int) -> dict:
     model = lm.GPT(args)
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    state = hiersync.register(ddp, opt, period=period)
+    state = hiersync.register(ddp, opt, period=period, **(options or {}))
     times = _train(ddp, opt, state, lm, args, dist.get_rank(), torch.device("cpu"), lambda s: None)
     return {"times": times}
 
 
-def ft_rank(steps: int, period: int) -> dict:
+def ft_rank(steps: int, period: int, options: dict | None = None) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -89,7 +90,7 @@ def ft_rank(steps: int, period: int) -> dict:
         load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), opt.load_state_dict(sd["o"])),
         state_dict=lambda: {"m": model.state_dict(), "o": opt.state_dict()},
     )
-    state = hiersync.register(ddp, opt, manager=mgr, period=period, start_nodes=3)
+    state = hiersync.register(ddp, opt, manager=mgr, period=period, start_nodes=3, **(options or {}))
     times = _train(ddp, opt, state, lm, args, node, torch.device("cpu"), lambda s: ft_nodes.progress(s))
     stats = state.stats.as_dict()
     mgr.shutdown(wait=False)
@@ -105,7 +106,7 @@ def _mean(times: list[float]) -> float:
     return statistics.fmean(times[STEPS_BURN:])
 
 
-def overhead(periods: list[int], steps: int, repeats: int) -> None:
+def overhead(periods: list[int], steps: int, repeats: int, options: dict) -> None:
     from hiersync._launch import run
     from hiersync.tools.ft_nodes import Lighthouse, Nodes
 
@@ -114,13 +115,13 @@ def overhead(periods: list[int], steps: int, repeats: int) -> None:
         plain: list[tuple[float, float]] = []
         ft: list[tuple[float, float]] = []
         for _ in range(repeats):
-            res = run(plain_rank, 3, (steps, period), node_ids=[0, 1, 2], timeout=900)
+            res = run(plain_rank, 3, (steps, period, options), node_ids=[0, 1, 2], timeout=900)
             plain.append(
                 (statistics.fmean(_mean(r["times"]) for r in res), statistics.median(_median(r["times"]) for r in res))
             )
             with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
                 for n in range(3):
-                    nodes.start(n, ft_rank, (steps, period))
+                    nodes.start(n, ft_rank, (steps, period, options))
                 out = nodes.wait([0, 1, 2], timeout=900)
             per_node = [out[n][0]["times"] for n in range(3)]
             ft.append((statistics.fmean(_mean(t) for t in per_node), statistics.median(_median(t) for t in per_node)))
@@ -175,12 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=14, help="death part: kill node 2 once it reported this step")
     ap.add_argument("--heartbeat-ms", type=int, default=2000, help="death part: the Lighthouse's heartbeat timeout")
     ap.add_argument("--parts", default="overhead,death")
+    ap.add_argument(
+        "--options",
+        default="",
+        help="hiersync options of both modes, e.g. fragments=4,overlap=1,compress=int4 (values: int or text)",
+    )
     a = ap.parse_args(argv)
+    options = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in a.options.split(",") if kv)}
     os.environ.setdefault("RUST_LOG", "error")
     print(f"load average before: {os.getloadavg()}", flush=True)
     parts = a.parts.split(",")
     if "overhead" in parts:
-        overhead([int(p) for p in a.periods.split(",")], a.steps, a.repeats)
+        overhead([int(p) for p in a.periods.split(",")], a.steps, a.repeats, options)
     if "death" in parts:
         death(max(a.steps, a.kill_at + 16), 4, a.kill_at, a.heartbeat_ms)
     return 0

@@ -43,11 +43,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--fragments", type=int, default=1, help="hiersync: streaming fragments (1: whole model at once)")
     a("--overlap", type=int, default=0, help="hiersync: apply each sync this many steps late (0: blocking)")
     a("--warmup-steps", type=int, default=0, help="hiersync: exact-sync steps before local SGD starts")
+    a("--compress", default=None, choices=["bf16", "fp16", "int8", "int4"], help="hiersync: inter-node deltas")
     return p
 
 
 def hiersync_options(args: argparse.Namespace) -> dict:
-    return dict(period=args.period, fragments=args.fragments, overlap=args.overlap, warmup_steps=args.warmup_steps)
+    return dict(
+        period=args.period,
+        fragments=args.fragments,
+        overlap=args.overlap,
+        warmup_steps=args.warmup_steps,
+        compress=args.compress,
+    )
 
 
 def setup() -> tuple[int, int, torch.device]:

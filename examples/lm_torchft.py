@@ -1,4 +1,4 @@
-"""Byte-level GPT on the Python standard library, DDP + hiersync on torchft: training goes on when a node dies.
+"""Byte-level GPT on the Python standard library, DDP or FSDP2 + hiersync on torchft: training goes on when a node dies.
 
 Each node is its own torchrun job (a torchft replica group); a Lighthouse forms the quorum.
 
@@ -6,6 +6,11 @@ Each node is its own torchrun job (a torchft replica group); a Lighthouse forms 
     TORCHFT_LIGHTHOUSE=http://$HEAD:29510 REPLICA_GROUP_ID=$NODE \\
         torchrun --standalone --nproc-per-node 8 examples/lm_torchft.py --period 4 --fragments 4 --overlap 1
     python -m hiersync ft-testbed --nodes 3 --kill 2@60 --restart-after 5 -- examples/lm_torchft.py --steps 300
+    python -m hiersync ft-testbed --nodes 2 --procs-per-node 2 --kill 1@60 --restart-after 5 -- \
+        examples/lm_torchft.py --fsdp --period 4 --fragments 2 --overlap 1 --compress int4 --steps 300
+
+With ``--fsdp`` each rank's model and optimizer state are its own shards (DTensors); torchft
+sends them to the joiner's rank that holds the same shards.
 
 Local rank 0 of each node prints ``hiersync-ft node N step S loss L time T`` after every
 step (what the testbed reads). A node that joins resumes at its peers' step (``state.step``).
@@ -35,12 +40,21 @@ p.add_argument(
     default=int(os.environ.get("HIERSYNC_FT_START_NODES", 1)),
     help="a starting job waits for this many nodes in its first quorum",
 )
+p.add_argument("--fsdp", action="store_true", help="shard the model inside the node with FSDP2 (hiersync.node_mesh)")
 args = p.parse_args()
 rank, world, device = _lm.setup()
 node = args.replica_id
 train, val = _lm.load_text(args.text_mb)
 model = _lm.GPT(args).to(device)
-ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+if args.fsdp:  # each block one FSDP unit, the rest in the root's; the rail averages each rank's own shards
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = hiersync.node_mesh()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    ddp = fully_shard(model, mesh=mesh)
+else:
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lm.lr_at(s, args))
 

@@ -39,7 +39,9 @@ def batch(node: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    """The whole parameters (gathered inside the node for an FSDP2 model)."""
+    parts = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return torch.cat([t.reshape(-1).clone() for t in parts])
 
 
 def _start_barrier(path: str | None, nodes: int) -> None:
@@ -113,7 +115,15 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     warned = _Warnings()
     logging.getLogger("hiersync").addHandler(warned)
     model = tiny_model()
-    ddp = DDP(model)
+    if cfg.get("frontend") == "fsdp":  # FSDP2 over the node: each rank holds its own shards
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = hiersync.node_mesh()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = DDP(model)
     opt = _optimizer(cfg, ddp.parameters())
     mgr = ft_nodes.manager(
         timeout_s=cfg.get("timeout_s", 10.0),
@@ -158,10 +168,12 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         records.append((s, flat(model), state.stats.sync_participants))
         ft_nodes.progress(s, loss=f"{loss.item():.6f}")
         time.sleep(cfg.get("step_sleep", 0.0))
-    final = None
+    final = portable = None
     if cfg.get("final_synchronize"):
         state.synchronize(ddp)
         final = flat(model)
+    if cfg.get("dcp_dir"):  # FSDP2: one portable copy per node with torch.distributed.checkpoint
+        portable = _dcp_round_trip(ddp, os.path.join(cfg["dcp_dir"], f"node{node}"), cfg)
     stats = state.stats.as_dict()
     mgr.shutdown(wait=False)
     return {
@@ -170,9 +182,29 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         "records": records,
         "stats": stats,
         "final": final,
+        "portable": portable,
         "last_step": state.step,
         "warnings": warned.messages,
     }
+
+
+def _dcp_round_trip(model: nn.Module, folder: str, cfg: dict[str, Any]) -> bool:
+    """Save ``model`` with torch.distributed.checkpoint, load it into a fresh sharded model: equal?"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(DIM_IN, DIM_HID), nn.Tanh(), nn.Linear(DIM_HID, DIM_OUT))
+    mesh = hiersync.node_mesh()
+    for layer in (fresh[0], fresh[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fresh, mesh=mesh)
+    loaded = {"model": get_model_state_dict(fresh)}
+    dcp.load(loaded, checkpoint_id=folder)
+    set_model_state_dict(fresh, loaded["model"])
+    return torch.equal(flat(fresh), flat(model))
 
 
 def _signal_on_next_sync(state: Any, after_step: int, sig: int) -> None:

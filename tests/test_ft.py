@@ -133,15 +133,18 @@ def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
     assert timeout_s * 0.8 <= gap <= timeout_s + 5.0, gap
 
 
-def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path):
+@pytest.mark.parametrize("frontend", ["ddp", "fsdp"])
+def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path, frontend):
     """2 nodes x 2 ranks: node 1 dies at a local step, node 0 trains on alone (its own local steps),
-    node 1 restarted joins, is healed rank by rank and equals node 0 after its first sync."""
+    node 1 restarted joins, is healed rank by rank (FSDP2: each rank its own shard, from the peer
+    rank that holds it) and equals node 0 after its first sync."""
     from hiersync.schedule import Schedule
 
     kill_at = 6
     cfg = _cfg(
         tmp_path, 2, steps=36, step_sleep=0.05, options={"period": 4}, kill={"node": 1, "step": kill_at, "how": "local"}
     )
+    cfg.update(frontend=frontend, final_synchronize=True, dcp_dir=str(tmp_path / "dcp") if frontend == "fsdp" else None)
     with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=2) as nodes:
         for n in range(2):
             nodes.start(n, ft_ranks.train, (cfg,))
@@ -159,6 +162,10 @@ def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path):
     _, params1 = _first_sync_of_joiner(joiner[1], Schedule(period=4))
     torch.testing.assert_close(params, params1, rtol=0, atol=0)  # the node's ranks agree bit for bit
     torch.testing.assert_close(params, got[0][step], **TOL)
+    finals = [r["final"] for r in out[0] + joiner]  # synchronize() in a window: every rank of both nodes
+    assert all(torch.equal(f, finals[0]) for f in finals)
+    if frontend == "fsdp":  # each node's portable copy (torch.distributed.checkpoint) loads back equal
+        assert all(r["portable"] for r in out[0] + joiner)
 
 
 def _restart_after_death(nodes: Nodes, node: int, delay: float, fn, cfg) -> None:
