@@ -12,6 +12,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,45 @@ import _lm
 import torch
 import torch.distributed as dist
 
-__all__ = ["SCHEDULES", "TORCHFT", "PLAIN_OUTER", "worker"]
+__all__ = ["SCHEDULES", "TORCHFT", "PLAIN_OUTER", "worker", "hiersync_options", "GRAMMAR"]
+
+GRAMMAR = "hiersync_k<k>[_stream[<F>]][_tau<t>][_w<W>][_o<lr>m<mu>][_int8|_int4|_bf16][_expavg]"
+_NAME = re.compile(
+    r"^hiersync_k(\d+)(?:_stream(\d*))?(?:_tau(\d+))?(?:_w(\d+))?(?:_o([\d.]+)m([\d.]+))?(?:_(int8|int4|bf16))?"
+    r"(_expavg)?$"
+)
+
+
+def hiersync_options(name: str) -> dict[str, Any] | None:
+    """The options of a hiersync row named by :data:`GRAMMAR` (None: not such a name).
+
+    ``_stream[F]``: ``fragments=F`` (default k), ``overlap=1`` unless ``_tau``; ``_w<W>``: W
+    exact warm-up steps (post-local SGD's warm-up); ``_o<lr>m<mu>``: DiLoCo's outer Nesterov
+    step (``outer_lr``, ``outer_momentum``; an lr above 1 with mu 0 lengthens each window's
+    averaged step: the per-window correction); a codec for the deltas; ``_expavg``: AdamW's
+    ``exp_avg`` averaged with the parameters.
+
+    >>> hiersync_options("hiersync_k16_stream4_w50_o0.7m0.9_int4")["fragments"]
+    4
+    """
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    k, frags, tau, warm, olr, mu, codec, expavg = m.groups()
+    out: dict[str, Any] = {"period": int(k)}
+    if "_stream" in name:
+        out.update(fragments=int(frags or k), overlap=1)
+    if tau is not None:
+        out["overlap"] = int(tau)
+    if warm is not None:
+        out["warmup_steps"] = int(warm)
+    if olr is not None:
+        out.update(outer_lr=float(olr), outer_momentum=float(mu))
+    if codec is not None:
+        out["compress"] = codec
+    if expavg:
+        out["average_optimizer_state"] = ("exp_avg",)
+    return out
 
 SCHEDULES: dict[str, dict[str, Any] | None] = {
     "ddp": None,
@@ -102,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
 
         ddp.register_comm_hook(PostLocalSGDState(None, intra, start_localSGD_iter=0), post_localSGD_hook)
         averager = PeriodicModelAverager(period=4, warmup_steps=3 if name.endswith("aligned") else 0)
-    elif (options := SCHEDULES.get(name)) is not None:
+    elif (options := SCHEDULES.get(name) or hiersync_options(name)) is not None:
         state = hiersync.register(ddp, opt, **options)
 
     try:

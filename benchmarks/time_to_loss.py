@@ -101,7 +101,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import _lm  # noqa: E402
 from _ttl_stats import combine_steps, combined_table, final_gap, plot, summarize, table, verdict  # noqa: E402
-from _ttl_worker import SCHEDULES, TORCHFT, worker  # noqa: E402
+from _ttl_worker import GRAMMAR, SCHEDULES, TORCHFT, hiersync_options, worker  # noqa: E402
 
 __all__ = ["main", "worker", "SCHEDULES", "summarize", "table", "final_gap", "verdict"]
 
@@ -111,6 +111,12 @@ PEER_SCHEDULES = {"torchft": ["torchft_diloco_k4", "torchft_streaming_k4"]}
 # more than the effect measured (docs/time-to-loss.md). A third of it is the benchmark's default.
 LR = 1e-3
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
+
+
+def _schedule(name: str) -> str:
+    if name in SCHEDULES or hiersync_options(name) is not None:
+        return name
+    raise argparse.ArgumentTypeError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)} or {GRAMMAR}")
 
 
 # ---------------------------------------------------------------- driver
@@ -267,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-rate", default="50mbit", help="tbf rate of each node's egress (see the docstring)")
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the compute-only and DDP probes")
     p.add_argument("--plan-args", default=PLAN_ARGS, help="the real setting whose DDP exposed fraction to match")
-    p.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES, choices=list(SCHEDULES))
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=DEFAULT_SCHEDULES,
+        type=_schedule,
+        help=f"rows: {', '.join(SCHEDULES)}, or any {GRAMMAR}",
+    )
     p.add_argument(
         "--peers",
         nargs="+",

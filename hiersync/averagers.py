@@ -66,12 +66,10 @@ _STATE = ("anchor", "momentum", "residual", "reduced_residual")
 class BufferPool:
     """Host buffers of the overlapped syncs (snapshots, gathered corrections), reused.
 
-    glibc hands a freed buffer of tens of MB back to the OS and faults it in again at the
-    next allocation: about 10 ms of CPU per step and rank for the bench's 25 MB fragments
-    (two allocations and frees per fragment), next to 2-3 ms of copying. Reused, they cost
-    nothing; the peak is what was in flight at once, as before. CUDA's caching allocator
-    already reuses device memory, so device tensors are plain allocations. Thread-safe: a
-    snapshot comes back on the thread that completes its rail average.
+    glibc hands a freed buffer of tens of MB back to the OS and faults it in again at the next
+    allocation: ~10 ms of CPU per step and rank for the bench's 25 MB fragments. The peak is
+    what was in flight at once, as before. CUDA's caching allocator already reuses device
+    memory. Thread-safe: a snapshot comes back on the thread that completes its average.
     """
 
     def __init__(self) -> None:
@@ -154,9 +152,6 @@ class RailAverager:
         """The tensor position ``i`` holds on this rank (the parameter itself here)."""
         return self.params[i]
 
-    def units(self) -> list[tuple[list[int], int]]:
-        return [([i], p.numel() * 4) for i, p in enumerate(self.params)]
-
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         return [self.params[i].numel() * 4 for i in indices]
 
@@ -180,20 +175,14 @@ class RailAverager:
     def _device(self, c: ChunkState) -> torch.device:
         return self.local(c.indices[0]).device
 
-    def _shard_of(
-        self, c: ChunkState, source: Sequence[torch.Tensor] | None = None, pooled: bool = False
-    ) -> torch.Tensor:
-        """This rank's shard of the chunk, as a new fp32 vector (zero padding at the end).
+    def _shard_of(self, c: ChunkState, source: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's shard of the chunk, as a new fp32 vector from the pool (zero padding at the end).
 
-        ``source``: per-parameter tensors to read (default: the parameters themselves);
-        ``pooled``: a buffer of the pool (give it back when it is used).
+        ``source``: per-parameter tensors to read (default: the parameters themselves).
         """
         lo, hi = c.lo, min(c.lo + c.s, c.n)
-        if pooled:
-            out = self._pool.take(c.s, self._device(c))
-            out[max(0, hi - lo) :].zero_()
-        else:
-            out = torch.zeros(c.s, dtype=torch.float32, device=self._device(c))
+        out = self._pool.take(c.s, self._device(c))
+        out[max(0, hi - lo) :].zero_()
         for j, i in enumerate(c.indices):
             a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
             if a < b:
@@ -260,7 +249,7 @@ class RailAverager:
     def _launch(self, c: ChunkState, keep_snapshot: bool, payload: torch.Tensor | None = None) -> Launched:
         """Start this rank's shard of ``c``; ``keep_snapshot``: the shard as sent stays (a pool
         buffer); ``payload``: where a plain fp32 payload goes (the transfer averages it in place)."""
-        x = self._shard_of(c, pooled=keep_snapshot)
+        x = self._shard_of(c)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
         if self.codec is not None:

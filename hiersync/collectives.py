@@ -117,7 +117,7 @@ class HierComm:
         if L * N == 1:
             return completed(tensor, tensor.device)
         if not self.topology.even:
-            return self._allreduce_uneven(tensor)
+            return self._via_leaders(tensor, replicated=False)
         if L == 1:
             return self._flat(tensor, None, INTER, "exact all-reduce over nodes", rail=True)
         if N == 1:
@@ -231,41 +231,44 @@ class HierComm:
         fut = self._seq_late.submit(ready, launch, like.device, self._phase(f"intra {what}"))
         return span(span_name, fut)
 
-    def _allreduce_uneven(self, tensor: torch.Tensor) -> torch.futures.Future:
-        g = self.groups
-        topo = self.topology
+    def _via_leaders(self, tensor: torch.Tensor, replicated: bool) -> torch.futures.Future:
+        """Uneven nodes: reduce to the node's leader, all-reduce among the leaders, node broadcast.
+
+        ``replicated``: every rank of the node holds the same values (parameters), so there is
+        nothing to reduce and the leader weighs its node by its ranks (the mean over all ranks).
+        """
+        g, topo = self.groups, self.topology
         node = topo.node_ranks(g.rank)
-        leader = node[0]
-        L = len(node)
+        leader, L = node[0], len(node)
         nbytes = tensor.numel() * tensor.element_size()
-        tensor.div_(self.world_size)
-        if L > 1:
-            phase = self._phase("intra reduce to the node leader")
-            self.stats.record(INTRA, "reduce", L, nbytes)
-            try:
-                red = issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
-            except Exception as e:
-                raise wrap(e, phase) from e
-            red = span("hiersync/intra_reduce", then(red, wait, tensor.device, phase))
-        else:
-            red = ready_now(tensor.device)
+        what = "parameter " if replicated else ""
+        ready = ready_now(tensor.device)
+        if replicated and g.is_leader:
+            tensor.mul_(L / self.world_size)
+        elif not replicated:
+            tensor.div_(self.world_size)
+            if L > 1:
+                phase = self._phase("intra reduce to the node leader")
+                self.stats.record(INTRA, "reduce", L, nbytes)
+                try:
+                    ready = issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
+                except Exception as e:
+                    raise wrap(e, phase) from e
+                ready = span("hiersync/intra_reduce", then(ready, wait, tensor.device, phase))
         if g.is_leader and topo.num_nodes > 1:
-
-            def leaders_leg() -> torch.futures.Future:
-                return self.rail_allreduce(tensor, "inter all-reduce among leaders")
-
+            phase = self._phase(f"inter {what}all-reduce among leaders")
             self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
-            red = self._seq_rail.submit(red, leaders_leg, tensor.device, self._phase("inter all-reduce among leaders"))
-            red = span("hiersync/inter_allreduce", red)
+            ready = self._seq_rail.submit(ready, lambda: self.rail_allreduce(tensor, phase), tensor.device, phase)
+            ready = span("hiersync/inter_param_allreduce" if replicated else "hiersync/inter_allreduce", ready)
         if L > 1:
+            phase = self._phase(f"intra {what}broadcast from the leader")
 
             def bcast_leg() -> torch.futures.Future:
-                return issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what="intra broadcast")
+                return issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what=phase)
 
             self.stats.record(INTRA, "broadcast", L, nbytes)
-            red = self._seq_late.submit(red, bcast_leg, tensor.device, self._phase("intra broadcast from the leader"))
-            red = span("hiersync/intra_broadcast", red)
-        return after(red, lambda: tensor, tensor.device)
+            ready = span("hiersync/intra_broadcast", self._seq_late.submit(ready, bcast_leg, tensor.device, phase))
+        return after(ready, lambda: tensor, tensor.device)
 
     def flat_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Average ``tensor`` with one all-reduce over the world (what DDP's default does).
@@ -303,7 +306,7 @@ class HierComm:
         if N == 1:
             return completed(flat, flat.device)
         if not topo.even:
-            return self._average_uneven(flat)
+            return self._via_leaders(flat, replicated=True)
         L = g.node_size
         n = flat.numel()
         shard_len = -(-n // L)
@@ -438,29 +441,3 @@ class HierComm:
 
         done = self._gather_shards(buffers, n, like, ready, "parameter gather")
         return after(done, lambda: cell.pop(), like.device)
-
-    def _average_uneven(self, flat: torch.Tensor) -> torch.futures.Future:
-        g = self.groups
-        topo = self.topology
-        node = topo.node_ranks(g.rank)
-        L = len(node)
-        nbytes = flat.numel() * flat.element_size()
-        ready = ready_now(flat.device)
-        if g.is_leader:
-            flat.mul_(L / self.world_size)
-            phase = self._phase("inter parameter all-reduce among leaders")
-            self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
-            try:
-                ready = then(self._sequenced_rail_allreduce(flat, phase), wait, flat.device, phase)
-            except Exception as e:
-                raise wrap(e, phase) from e
-            ready = span("hiersync/inter_param_allreduce", ready)
-        if L > 1:
-
-            def bcast_leg() -> torch.futures.Future:
-                return issue(dist.broadcast, flat, src=node[0], group=g.intra_late, what="intra parameter broadcast")
-
-            self.stats.record(INTRA, "broadcast", L, nbytes)
-            ready = self._seq_late.submit(ready, bcast_leg, flat.device, self._phase("intra parameter broadcast"))
-            ready = span("hiersync/intra_param_broadcast", ready)
-        return after(ready, lambda: flat, flat.device)

@@ -150,9 +150,8 @@ class FSDPState(SyncState):
 
     # ------------------------------------------------------------------ public
     def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A rank's own parameter shards (averaged on its rail: the node's ranks hold different
-        shards) and the floating buffers, which FSDP2 replicates (over the world). Resharded
-        first (:meth:`drain`): the parameters are then the DTensor shards."""
+        """A rank's own parameter shards (DTensors once :meth:`drain` resharded) and the floating
+        buffers, which FSDP2 replicates."""
         shards = [cast(Any, p).to_local() for p in model.parameters()]
         return shards, [b for b in model.buffers() if b.is_floating_point()]
 

@@ -83,23 +83,6 @@ class FTStats(Stats):
     quorum_id: int = -1
     """torchft's id of the last quorum (it changes when nodes leave or join)."""
 
-    def _snapshot(self) -> dict:
-        out = super()._snapshot()
-        out.update(
-            failed_syncs=self.failed_syncs,
-            failed_exact_steps=self.failed_exact_steps,
-            heals=self.heals,
-            sync_participants=self.sync_participants,
-            quorum_id=self.quorum_id,
-        )
-        return out
-
-    def reset(self) -> None:
-        fresh = FTStats()
-        with self._lock:
-            for name in self._snapshot():
-                setattr(self, name, getattr(fresh, name))
-
     def count_vote(self, window: Window) -> None:
         if window.kind == "sync":
             self.sync_participants = window.participants
@@ -174,29 +157,21 @@ class ManagerMode(SyncState):
                 window.participants,
                 start_nodes,
             )
-        if self.rank == 0 and self._left_behind(window):
+        # The Lighthouse numbers its quorums from 1 and moves on only when the members change: a
+        # fresh node alone and not healed in quorum 2 or later comes after nodes that are all gone.
+        alone = window.participants == 1 and window.quorum_id > 1 and self.step == 0
+        if self.rank == 0 and alone and not self.stats.heals:  # type: ignore[attr-defined]
             logger.warning(
-                "hiersync: no live peer to heal from: this node's first torchft quorum (%d) holds this node alone, "
-                "though the Lighthouse formed quorums with other nodes before, and those nodes are gone (finished or "
-                "dead). If this node was restarted to rejoin their run, it did not: it trains from its own fresh "
-                "state from step %d. A restarted node rejoins a run only while another node of the run still "
-                "trains; a run whose nodes all stopped resumes from a checkpoint loaded before hiersync.register() "
-                "(docs/fault-tolerance.md). The first node of a new job on a Lighthouse that served an earlier job "
-                "can ignore this",
+                "hiersync: no live peer to heal from: this node's first torchft quorum (%d) holds it alone, though the "
+                "Lighthouse formed quorums with other nodes before, now gone (finished or dead). If this node was "
+                "restarted to rejoin their run, it did not: it trains from its own fresh state from step %d. A "
+                "restarted node rejoins only while another node still trains; a run whose nodes all stopped resumes "
+                "from a checkpoint (docs/fault-tolerance.md). The first node of a new job on a Lighthouse that served "
+                "an earlier job can ignore this",
                 window.quorum_id,
                 self.step,
             )
         self._resume(window)
-
-    def _left_behind(self, window: Window) -> bool:
-        """Whether a fresh node's first quorum says that the run it restarts in has no live node left.
-
-        The Lighthouse numbers its quorums from 1 and moves on only when the members change: a
-        node alone and not healed in quorum 2 or later comes after other nodes that are all
-        gone now. A run's first node (quorum 1) and a node healed from a live peer are not.
-        """
-        heals = self.stats.heals  # type: ignore[attr-defined]
-        return window.participants == 1 and window.quorum_id > 1 and heals == 0 and self.step == 0
 
     # ------------------------------------------------------------------ quorums
     def _model_device(self) -> torch.device:
@@ -333,11 +308,8 @@ class ManagerMode(SyncState):
         super().close()
 
     def synchronize(self, model: torch.nn.Module | None = None) -> None:
-        """Blocking: average parameters and floating buffers over the quorum (one window). Collective.
-
-        If the window does not commit (a node died meanwhile) the parameters stay as they were
-        and a warning says so.
-        """
+        """:meth:`SyncState.synchronize` over the quorum, in one window: if it does not commit (a
+        node died meanwhile) the parameters stay as they were, and a warning says so."""
         if self._model is None:
             self._model = model
         self.drain()

@@ -92,9 +92,6 @@ class WithOptimizerState:
     def needs_anchor(self) -> bool:
         return self.base.needs_anchor
 
-    def units(self) -> list[tuple[list[int], int]]:
-        return self.base.units()
-
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         return self.base.chunk_bytes(indices)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .vocab import Level, StepKind
 
@@ -99,20 +99,18 @@ class Stats:
             return self._snapshot()
 
     def _snapshot(self) -> dict:
-        return {
-            "steps": self.steps,
-            "exact_steps": self.exact_steps,
-            "local_steps": self.local_steps,
-            "sync_steps": self.sync_steps,
-            "collectives": dict(self.collectives),
-            "bytes_sent": dict(self.bytes_sent),
-            "nonfinite_skips": self.nonfinite_skips,
-            "nonfinite_sync_skips": self.nonfinite_sync_skips,
-            "recent_sync_steps": list(self.recent_sync_steps),
-        }
+        """Every public counter (a subclass's too), dicts and deques copied."""
+        out = {}
+        for f in fields(self):
+            if not f.name.startswith("_"):
+                value = getattr(self, f.name)
+                out[f.name] = (
+                    dict(value) if isinstance(value, dict) else list(value) if not isinstance(value, int) else value
+                )
+        return out
 
     def reset(self) -> None:
-        fresh = Stats()
+        fresh = type(self)()
         with self._lock:
             for name in self._snapshot():
                 setattr(self, name, getattr(fresh, name))

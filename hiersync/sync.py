@@ -109,11 +109,6 @@ class Averager(Protocol):
         """Whether the state holds an fp32 anchor (delta compression or an outer step)."""
         ...
 
-    def units(self) -> list[tuple[list[int], int]]:
-        """Indivisible groups of positions (one parameter tensor each) with their bytes (fp32,
-        whole tensor), for the fragments."""
-        ...
-
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         """The fp32 bytes each position of ``indices`` adds to this rank's transfers."""
         ...
@@ -203,19 +198,21 @@ class CrossNodeSync:
     def layout(self) -> list[list[int]]:
         """Registry positions of each fragment (computed once every parameter is registered).
 
-        The units (parameter tensors) are packed in the order of ``model.parameters()`` where
+        Whole parameter tensors are packed in the order of ``model.parameters()`` where
         the state knows the model, else in registry order (DDP's first bucket order): the
         DDP and FSDP2 front-ends then give the same model the same fragments.
         """
         if self._layout is None:
-            units = self.averager.units()
-            if not units:  # nothing registered yet: nothing to average (and nothing cached)
+            params = self.averager.params
+            if not params:  # nothing registered yet: nothing to average (and nothing cached)
                 return [[] for _ in range(self.schedule.fragments)]
+            order = list(range(len(params)))
             where = self.model_positions() if self.model_positions is not None else None
             if where:
-                units = sorted(units, key=lambda u: min(where[i] for i in u[0]))
-            packed = fragment_layout([size for _, size in units], self.schedule.fragments)
-            self._layout = [sorted(i for u in f for i in units[u][0]) for f in packed]
+                order.sort(key=lambda i: where[i])
+            # numel(): the whole tensor's, a DTensor's too, so both front-ends pack alike
+            packed = fragment_layout([4 * params[i].numel() for i in order], self.schedule.fragments)
+            self._layout = [sorted(order[j] for j in f) for f in packed]
         return self._layout
 
     def mark_due(self, step: int) -> None:
@@ -243,11 +240,17 @@ class CrossNodeSync:
 
     def launch_due(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""
-        late = self._take_due(where)
-        if late is not None:
-            step, fragments = late
-            with torch.no_grad(), record_function("hiersync/sync_launched_late"):
-                self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
+        self._unhook()
+        if self.due is None:
+            return
+        (step, fragments), self.due = self.due, None
+        logger.info(
+            "hiersync: optimizer.step() was skipped after a sync step%s (e.g. a GradScaler overflow); its "
+            "cross-node average runs now and is applied after the next optimizer.step()",
+            where,
+        )
+        with torch.no_grad(), record_function("hiersync/sync_launched_late"):
+            self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
 
     def _sync(self, marker: Marker) -> None:
         window = self.open_window(marker)
@@ -257,19 +260,6 @@ class CrossNodeSync:
     def _open_window(self, marker: Marker) -> Window:
         params = self.averager.params
         return self.transport.open(marker, params[0].device if params else torch.device("cpu"))
-
-    def _take_due(self, where: str) -> tuple[int, Sequence[int]] | None:
-        """The due sync that ``optimizer.step()`` did not launch (logged), or None; no longer due."""
-        self._unhook()
-        if self.due is None:
-            return None
-        (step, fragments), self.due = self.due, None
-        logger.info(
-            "hiersync: optimizer.step() was skipped after a sync step%s (e.g. a GradScaler overflow); its "
-            "cross-node average runs now and is applied after the next optimizer.step()",
-            where,
-        )
-        return step, fragments
 
     def close(self) -> None:
         """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
@@ -435,11 +425,8 @@ def _launch_due(ref: weakref.ref) -> None:
 def mean_into(
     average: Callable[[torch.Tensor], torch.futures.Future], tensors: list[torch.Tensor], chunk_bytes: int
 ) -> None:
-    """Overwrite ``tensors`` with ``average`` of their values (fp32 on the wire, chunked). Collective.
-
-    ``average``: ``comm.allreduce`` (the world mean of replicated tensors) or
-    ``comm.average_shard`` (the rail mean of a sharded node's own shards).
-    """
+    """Overwrite ``tensors`` with ``average`` of their values, fp32, chunked: ``comm.allreduce`` (the
+    world mean of replicated tensors) or ``comm.average_shard`` (the rail mean of own shards)."""
     for idx in chunk_by_bytes([t.numel() * 4 for t in tensors], chunk_bytes):
         chunk = [tensors[i] for i in idx]
         flat = wait(average(torch.cat([t.detach().reshape(-1).float() for t in chunk])))

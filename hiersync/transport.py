@@ -17,8 +17,7 @@ optimizer state as if it had never been launched (the engine restores what it ba
   order they were opened, each once, on every rank of the node alike, so torchft's step
   (committed windows) tells a node that missed a commit that it is behind.
 
-Every codec (fp32, bf16/fp16, int8/int4 with error feedback), averager (a node of replicas
-or a sharded node) and schedule (blocking, overlapped, streaming) runs over either.
+Every codec, averager and schedule runs over either (tests/test_matrix.py).
 """
 
 from __future__ import annotations
@@ -46,9 +45,10 @@ def import_torchft() -> Any:
     try:
         import torchft
     except ImportError as e:
-        raise ImportError(
+        msg = (
             "hiersync.register(..., manager=...) needs torchft: pip install 'hiersync[peers]' (or pip install torchft)"
-        ) from e
+        )
+        raise ImportError(msg) from e
     return torchft
 
 
@@ -374,23 +374,11 @@ class TorchftRail:
         before, self._members = self._members, members
         if not self.log or before == members:
             return
-        if before is None or members is None:
-            logger.info(
-                "hiersync: torchft quorum %d for %s: %d nodes %s",
-                window.quorum_id,
-                window.marker.describe(),
-                window.participants,
-                members if members is not None else "",
-            )
-            return
-        left = [n for n in before if n not in members]
-        joined = [n for n in members if n not in before]
-        logger.warning(
-            "hiersync: torchft quorum %d for %s: %d nodes %s; left: %s; joined: %s",
-            window.quorum_id,
-            window.marker.describe(),
-            window.participants,
-            members,
-            left or "-",
-            joined or "-",
+        what = (
+            f"hiersync: torchft quorum {window.quorum_id} for {window.marker.describe()}: {window.participants} nodes"
         )
+        if before is None or members is None:  # the first quorum: who is in
+            logger.info("%s %s", what, members if members is not None else "")
+            return
+        left, joined = [n for n in before if n not in members], [n for n in members if n not in before]
+        logger.warning("%s %s; left: %s; joined: %s", what, members, left or "-", joined or "-")

@@ -432,6 +432,8 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
             "20k",
             "--steps",
             "2",
+            "--min-seconds",
+            "0",
             "--warmup",
             "1",
             "--buckets",

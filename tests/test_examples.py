@@ -51,9 +51,9 @@ def _run(script: str, nproc: int, *extra: str, timeout: float = 90.0) -> tuple[f
     "script, nproc, extra",
     [
         ("lm_torchrun.py", 4, ()),
-        ("lm_accelerate.py", 4, ("--fragments", "2", "--overlap", "1")),
-        ("lm_lightning.py", 2, ()),
-        ("lm_trainer.py", 2, ()),
+        pytest.param("lm_accelerate.py", 4, ("--fragments", "2", "--overlap", "1"), marks=pytest.mark.slow),
+        pytest.param("lm_lightning.py", 2, (), marks=pytest.mark.slow),
+        pytest.param("lm_trainer.py", 2, (), marks=pytest.mark.slow),
     ],
 )
 def test_example_trains(script: str, nproc: int, extra: tuple[str, ...]) -> None:

@@ -36,7 +36,7 @@ def _check_survivors(outs, victim: int) -> None:
 
 
 @pytest.mark.usefixtures("nccl_mode")
-@pytest.mark.parametrize("repeat", range(REPEATS))
+@pytest.mark.parametrize("repeat", [0] + [pytest.param(r, marks=pytest.mark.slow) for r in range(1, REPEATS)])
 @pytest.mark.parametrize("die_at", [5, 7], ids=["local_step", "sync_step"])
 def test_dead_peer_with_many_buckets(die_at, repeat, tmp_path):
     # period 4: step 5 is local, step 7 a sync step; tiny buckets: several per step
@@ -53,7 +53,7 @@ def test_dead_peer_with_many_buckets(die_at, repeat, tmp_path):
     _check_survivors(outs, victim=3)
 
 
-@pytest.mark.parametrize("die_at", [5, 7], ids=["local_step", "sync_step"])
+@pytest.mark.parametrize("die_at", [5, pytest.param(7, marks=pytest.mark.slow)], ids=["local_step", "sync_step"])
 def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at, tmp_path):
     outs = run_all(
         ranks.die_mid_training,

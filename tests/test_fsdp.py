@@ -44,7 +44,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", ["2x2", "2x1"])
+@pytest.mark.parametrize("name", ["2x2", pytest.param("2x1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference(case, name):
     cfg = CASES[case]

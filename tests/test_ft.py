@@ -196,7 +196,9 @@ def _check_joiner_equals_survivors(out, joiner_first: int, steps: int, exact_syn
         torch.testing.assert_close(out[n][0]["final"], out[0][0]["final"], rtol=0, atol=0, msg=f"node {n} final")
 
 
-@pytest.mark.parametrize("hold_at", [10, 15], ids=["survivors-mid-run", "survivors-last-step"])
+@pytest.mark.parametrize(
+    "hold_at", [10, pytest.param(15, marks=pytest.mark.slow)], ids=["survivors-mid-run", "survivors-last-step"]
+)
 def test_restarted_node_heals_at_its_first_quorum(tmp_path, hold_at):
     """A user's kill and restart: 3 nodes x 1 rank, period 2, 16 steps, node 2 SIGKILLed after step 5 and
     started again 3 s later as a fresh process (its own initial model) while the survivors still train
@@ -239,7 +241,7 @@ def test_restarted_node_heals_at_its_first_quorum(tmp_path, hold_at):
 
 @pytest.mark.parametrize(
     "options",
-    [{"period": 2}, {"period": 4, "fragments": 4, "overlap": 1}],
+    [{"period": 2}, pytest.param({"period": 4, "fragments": 4, "overlap": 1}, marks=pytest.mark.slow)],
     ids=["period2", "streaming-overlapped"],
 )
 def test_node_restarted_while_survivors_are_mid_sync_joins_that_sync(tmp_path, options):

@@ -113,6 +113,26 @@ def test_schedules_name_what_they_run():
         assert name in ttl.SCHEDULES
 
 
+def test_hiersync_rows_are_named_by_their_options():
+    from _ttl_worker import hiersync_options
+
+    assert hiersync_options("hiersync_k4_stream") == {"period": 4, "fragments": 4, "overlap": 1}
+    assert hiersync_options("hiersync_k16_stream4_tau2_w50_o0.7m0.9_int4_expavg") == {
+        "period": 16,
+        "fragments": 4,
+        "overlap": 2,
+        "warmup_steps": 50,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "compress": "int4",
+        "average_optimizer_state": ("exp_avg",),
+    }
+    assert hiersync_options("hiersync_k4_w30") == {"period": 4, "warmup_steps": 30}
+    assert hiersync_options("ddp") is None and hiersync_options("hiersync_k4_fast") is None
+    with pytest.raises(SystemExit):
+        ttl.main(["--schedules", "hiersync_kfour"])
+
+
 def test_seed_lists():
     assert ttl.parse_seeds("0,1,2") == [0, 1, 2] and ttl.parse_seeds("0-3,8") == [0, 1, 2, 3, 8]
     with pytest.raises(Exception, match="repeats"):
