@@ -584,3 +584,189 @@ def test_fsdp_prices_compression_too():
     plan = make_fsdp_plan(cm.PRESETS["a100-1nic"], params=7e9, nodes=16, backward_s=0.3, forward_s=0.1, compress="int4")
     text = format_fsdp_plan(plan)
     assert 'compress="int4"' in text and "compress: at hiersync" in text and plan.memory.residual > 0
+
+
+# --- ranking by time to a loss: the steps penalty ----------------------------------------------------
+
+H100_2NIC = dict(
+    params=70e9, nodes=16, gpus_per_node=8, backward_s=0.3, forward_s=0.1, periods=(1, 2, 4, 8, 16), bucket_mb=[100],
+    break_even=False,
+)  # fmt: skip
+
+
+def test_steps_penalty_parses_the_flag():
+    from hiersync.costmodel.planner_sweeps import parse_steps_penalty
+
+    sp = parse_steps_penalty("k=4:1.08, k=16:1.25,k=1:1")
+    assert [(p.period, p.value, p.how) for p in sp.blocking] == [(4, 1.08, "given"), (16, 1.25, "given")]
+    assert sp.streaming == sp.blocking and not sp.apart and sp.periods == (4, 16)
+    assert sp.at(1).value == 1 and sp.at(1).how == "exact"  # period 1 is DDP's own steps
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("k=4:0.9", r"k=4:0.9.*below 1 means period 4 reaches DDP's loss in fewer steps.*time_to_loss.py"),
+        ("k4:1.08", r"'k4:1.08' is not k=PERIOD:PENALTY.*k=4:1.08,k=16:1.25"),
+        ("k=4", "is not k=PERIOD:PENALTY"),
+        ("k=4:fast", r"'k=4:fast'.*finite number >= 1"),
+        ("k=4:inf", "leave it out of --periods"),
+        ("k=0:1.1", "k=0:1.1.*int >= 1"),
+        ("k=1:1.2", "period 1 is exact sync"),
+        ("k=4:1.1,k=4:1.2", "k=4 is given twice"),
+        ("k=1:1", "no period above 1"),
+        ("k=", "is not k=PERIOD:PENALTY"),
+    ],
+)
+def test_steps_penalty_rejects_bad_values_and_says_the_fix(text, match):
+    from hiersync.costmodel.planner_sweeps import read_steps_penalty
+
+    with pytest.raises(ValueError, match=match):
+        read_steps_penalty(text)
+
+
+def test_penalty_is_log_linear_in_k_between_known_values_and_never_falls_past_them():
+    from hiersync.costmodel.planner_sweeps import parse_steps_penalty
+
+    sp = parse_steps_penalty("k=4:1.08,k=16:1.25")
+    k2, k8, k32 = sp.at(2), sp.at(8), sp.at(32)
+    assert (k2.value, k2.how) == (pytest.approx(1.04), "interpolated")  # halfway from k=1 (1) to k=4 in log k
+    assert (k8.value, k8.how) == (pytest.approx(1.165), "interpolated") and k8.trusted and k8.cell == "1.165~"
+    assert k32.how == "extrapolated" and not k32.trusted and k32.cell.endswith("?")
+    assert k32.value == pytest.approx(1.25 + 0.17 / 2)  # the slope of 4 -> 16 per factor 4, half of it to 32
+    falling = parse_steps_penalty("k=4:1.3,k=16:1.1")  # measured noise: kept between, never falling past 16
+    assert falling.at(8).value == pytest.approx(1.2) and falling.at(64).value == pytest.approx(1.1)
+    one = parse_steps_penalty("k=2:1.05")  # one value: extrapolated from k=1's 1 and it
+    assert one.at(4).value == pytest.approx(1.1) and one.at(4).how == "extrapolated"
+
+
+def test_without_a_penalty_the_plan_says_it_ranks_by_step_time():
+    from hiersync.costmodel.planner_report import BY_STEP_TIME
+
+    plan = make_plan(replace(cm.PRESETS["h100-8rail"], rails=2), **H100_2NIC)
+    assert plan.steps_penalty is None and plan.by_step is plan.recommended
+    text = format_plan(plan)
+    assert BY_STEP_TIME in text and "to_loss_ms" not in text
+    assert "local SGD usually needs more steps than DDP" in BY_STEP_TIME and "--steps-penalty" in BY_STEP_TIME
+
+
+def test_a_steps_penalty_changes_the_recommendation():
+    """70B on 16 nodes of 8 H100s with 2 NICs each: k=8 has the fastest step, but at a penalty of 1.3 at
+    k=4 and 2 at k=16 (1.65 at k=8, interpolated) k=4 reaches DDP's loss sooner."""
+    prof = replace(cm.PRESETS["h100-8rail"], rails=2)
+    by_step = make_plan(prof, **H100_2NIC)
+    assert by_step.recommended.schedule == "hiersync k=8 F=8 tau=1"
+    plan = make_plan(prof, **H100_2NIC, steps_penalty="k=4:1.3,k=16:2")
+    rec = plan.recommended
+    assert rec.schedule == "hiersync k=4 F=4 tau=1" and plan.period == 4
+    assert plan.by_step is not None and plan.by_step.schedule == "hiersync k=8 F=8 tau=1"
+    assert rec.to_loss_s == pytest.approx(rec.step_s * 1.3) and plan.by_step.to_loss_s > rec.to_loss_s * 1.05
+    assert plan.by_step.step_s < rec.step_s  # a slower step, sooner to the loss
+    text = format_plan(plan)
+    assert "penalty  to_loss_ms" in text and "k=8 1.65 (interpolated)" in text and "k=4 1.3 (given)" in text
+    assert "period=4, warmup_steps=100, fragments=4, overlap=1" in text  # the paste follows the ranking
+    assert "by step time alone: hiersync k=8 F=8 tau=1" in text and "to DDP's loss: step" in text
+    assert "ranking: by predicted wall-clock to DDP's loss" in text
+    # 7B with 4 NICs: k=2 steps fastest, but at 1.15 (interpolated) exact sync is within 5% of it: k=1
+    h100_4nic, small = replace(cm.PRESETS["h100-8rail"], rails=4), {**H100_2NIC, "params": 7e9, "bucket_mb": [25, 100]}
+    assert make_plan(h100_4nic, **small).period == 2
+    exact = make_plan(h100_4nic, **small, steps_penalty="k=4:1.3,k=16:2")
+    assert exact.period == 1 and exact.recommended.penalty is not None and exact.recommended.penalty.how == "exact"
+
+
+def test_an_extrapolated_penalty_is_not_recommended_on():
+    plan = make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], break_even=False, steps_penalty="k=2:1.05")
+    assert plan.period == 2  # k=4 and k=8 step faster, but nothing bounds their penalty past k=2
+    assert plan.held_back is not None and plan.held_back.period == 8
+    text = format_plan(plan)
+    assert "k=8 1.15 (extrapolated)" in text and "not recommended on" in text
+    assert "warning: hiersync k=8 F=8 tau=1 at 25 MB might reach DDP's loss sooner" in text
+    assert "measure period 8 with benchmarks/time_to_loss.py" in text
+
+
+def _ttl_file(tmp_path, *, combined=False):
+    """A time_to_loss.json as benchmarks/time_to_loss.py writes it: its report's rows over 3 seeds."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import _ttl_stats as stats
+    finally:
+        sys.path.pop(0)
+
+    def run(reach: float | None, steps: int) -> dict:  # loss 2.0 at step `reach` (never below 2.05 if None)
+        loss = (lambda s: 2.3 - 0.01 * s) if reach is None else (lambda s: 2.0 + 0.1 * (reach - s))
+        evals = [dict(step=s, wall_s=s * 0.1, val_loss=loss(s)) for s in range(steps + 1)]
+        return dict(evals=evals, final_val_loss=loss(steps), wall_s=steps * 0.1, steps=steps)
+
+    reach = {
+        "ddp": 20, "hiersync_k2_stream": 21, "hiersync_k4": 22, "hiersync_k4_stream": 24,
+        "hiersync_k4_stream_expavg": 26, "hiersync_k8_stream": None, "torchft_diloco_k4": 20.5,
+    }  # fmt: skip
+    runs = {name: [run(r, 20 if name == "ddp" else 25) for _ in range(3)] for name, r in reach.items()}
+    _, rows = stats.summarize(runs, 20)
+    data = dict(command="python benchmarks/time_to_loss.py --inter-rate none", seeds=[0, 1, 2], budget=None, table=rows)
+    data["combined"] = stats.combine_steps(rows, rows) if combined else None
+    path = tmp_path / "time_to_loss.json"
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def test_steps_penalty_from_a_time_to_loss_file(tmp_path):
+    from hiersync.costmodel.planner_sweeps import read_steps_penalty
+
+    sp = read_steps_penalty(str(_ttl_file(tmp_path)))
+    assert sp.apart and str(tmp_path) in sp.source and "3 seeds" in sp.source
+    # streaming: the best streaming schedule per k; k=8 never reached DDP's loss in its 25 steps
+    k2, k4, k8 = (sp.at(k, streaming=True) for k in (2, 4, 8))
+    assert (k2.value, k2.schedule, k2.how) == (pytest.approx(1.05), "hiersync_k2_stream", "measured")
+    assert (k4.value, k4.schedule) == (pytest.approx(1.2), "hiersync_k4_stream")  # not expavg's 1.3
+    assert k4.interval == pytest.approx((1.2, 1.2))  # three identical seeds: a point
+    assert not k8.reached and k8.value == pytest.approx(25 / 20) and k8.cell == ">1.25" and not k8.trusted
+    assert "not reached by hiersync_k8_stream" in k8.describe()
+    # blocking: its own k=4; at k=2 and k=8 it shares streaming's; torchft's row is not hiersync's
+    assert sp.at(4).schedule == "hiersync_k4" and sp.at(4).value == pytest.approx(1.1)
+    assert sp.at(2).schedule == "hiersync_k2_stream"
+    assert not sp.at(16).reached and sp.at(6).how == "interpolated" and not sp.at(6).trusted
+    # a --steps-from run: its combined rows
+    both = read_steps_penalty(str(_ttl_file(tmp_path, combined=True)))
+    assert both.at(4, streaming=True).value == pytest.approx(1.2) and "--steps-from" in both.source
+
+
+def test_plan_reads_a_time_to_loss_file(tmp_path, capsys):
+    path = _ttl_file(tmp_path)
+    argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8"]
+    assert cli.main([*argv, "--forward-ms", "100", "--backward-ms", "300", "--steps-penalty", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"penalties from {path}" in out and "steps penalty: blocking k=1 1 (exact)" in out
+    assert "k=4 1.2 (measured hiersync_k4_stream, 90% interval 1.2-1.2)" in out
+    assert "period=4" in out  # k=8 never reached DDP's loss in the measured run: never recommended
+    assert "might reach DDP's loss sooner" in out and "did not reach DDP's loss in the measured run" in out
+    assert cli.main([*argv, "--fsdp", "--forward-ms", "100", "--backward-ms", "300", "--steps-penalty", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "period=4" in out and "to DDP's loss: step" in out and "sooner than HSDP" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "no such file"),  # a .json path that is not there
+        ("{not json", "not readable JSON"),
+        ('{"rows": []}', "not a time_to_loss.json"),
+        ('{"table": [{"schedule": "ddp"}, {"schedule": "torchft_diloco_k4"}]}', "no hiersync schedule"),
+        ('{"table": [{"schedule": "hiersync_k4", "steps_x_ddp": "fast"}]}', "a row it cannot read"),
+    ],
+)
+def test_bad_time_to_loss_files_say_what_to_pass(tmp_path, content, match):
+    from hiersync.costmodel.planner_sweeps import read_steps_penalty
+
+    path = tmp_path / "ttl.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        read_steps_penalty(str(path))
+    argv = ["plan", "--preset", "a100-1nic", "--params", "1e9", "--backward-ms", "100", "--forward-ms", "50"]
+    with pytest.raises(SystemExit, match="python -m hiersync plan: error: --steps-penalty"):
+        cli.main([*argv, "--steps-penalty", str(path)])

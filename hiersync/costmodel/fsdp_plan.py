@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hiersync import costmodel as cm
@@ -37,6 +37,8 @@ from .planner import (
     compress_ratio_for,
     copy_speed,
 )
+from .planner_report import BY_STEP_TIME, by_step_line, held_back_warning, penalty_lines, to_loss_cell, to_loss_line
+from .planner_sweeps import StepsPenalties, StepsPenalty, read_steps_penalty, smallest_near_best
 
 __all__ = ["DEFAULT_UNITS", "FsdpRow", "FsdpPlan", "make_fsdp_plan", "format_fsdp_plan", "fsdp_register_lines"]
 
@@ -54,6 +56,13 @@ class FsdpRow:
     overlap: int
     st: cm.StepTime
     speedup: float
+    penalty: StepsPenalty | None = None
+    """Steps to DDP's loss as x DDP's at this period (``--steps-penalty``); None: not given, or intra-only."""
+
+    @property
+    def to_loss_s(self) -> float:
+        """Predicted wall-clock to DDP's loss per DDP step: step time x steps penalty (step time without one)."""
+        return self.st.step_s * (self.penalty.value if self.penalty else 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +89,12 @@ class FsdpPlan:
     verdict: str
     compress_same: tuple[tuple[str, float], ...] = ()
     """(compress, step s) of every option at the recommended configuration (period > 1 only)."""
+    steps_penalty: StepsPenalties | None = None
+    """The steps penalties the ranking priced; None: it ranked by step time alone."""
+    by_step: FsdpRow | None = None
+    """What step time alone would recommend."""
+    held_back: FsdpRow | None = None
+    """A row that would reach DDP's loss sooner but whose penalty is extrapolated or not reached."""
 
     @property
     def period(self) -> int:
@@ -111,9 +126,11 @@ def make_fsdp_plan(
     gpu_memory_gb: float = GPU_MEMORY_GB,
     activations_gb: float = 0.0,
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    steps_penalty: StepsPenalties | str | None = None,
 ) -> FsdpPlan:
     """Every FSDP schedule on ``profile`` and the one to use (the smallest period within 5% of the
-    best step, then the smallest tau, as :func:`.planner.make_plan`), with the memory per GPU."""
+    best step, then the smallest tau, as :func:`.planner.make_plan`; with ``steps_penalty``, of the
+    best predicted wall-clock to DDP's loss), with the memory per GPU."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
     if isinstance(units, bool) or not isinstance(units, int) or units < 1:
@@ -122,6 +139,8 @@ def make_fsdp_plan(
         raise ValueError(f"periods must be ints >= 1, got {list(periods)}")
     if not gpu_memory_gb > 0 or not activations_gb >= 0:
         raise ValueError(f"need --gpu-memory-gb > 0 and --activations-gb >= 0, got {gpu_memory_gb}, {activations_gb}")
+    if isinstance(steps_penalty, str):
+        steps_penalty = read_steps_penalty(steps_penalty)
     profile = profile.with_shape(nodes=nodes, ranks_per_node=gpus_per_node)
     backward, compute = check_compute(profile, backward_s, forward_s, None)
     copy_beta, copy_source = copy_speed(profile, copy_s_per_byte)
@@ -159,11 +178,22 @@ def make_fsdp_plan(
         FsdpRow(schedule=name, period=k, fragments=f, overlap=t, st=st, speedup=hsdp_step / st.step_s)
         for name, k, f, t, st in raw
     )
+    if steps_penalty is not None:
+        rows = tuple(
+            r
+            if r.period is None
+            else replace(r, penalty=steps_penalty.at(r.period, streaming=r.fragments > 1 or r.overlap > 0))
+            for r in rows
+        )
     usable = [r for r in rows if r.period is not None]
-    target = min(r.st.step_s for r in usable) * NEAR_BEST
-    period = min(r.period for r in usable if r.period is not None and r.st.step_s <= target)
-    near = [r for r in usable if r.period == period and r.st.step_s <= target]
-    rec = min(near, key=lambda r: (r.overlap, r.st.step_s))
+    by_step = rec = smallest_near_best(usable, lambda r: r.st.step_s, lambda r: 0.0)
+    held_back = None
+    if steps_penalty is not None:
+        priced = [r for r in usable if r.penalty is None or r.penalty.trusted]
+        rec = smallest_near_best(priced, lambda r: r.to_loss_s, lambda r: 0.0)
+        unpriced = [r for r in usable if r.penalty and r.penalty.known and not r.penalty.trusted]
+        unpriced = [r for r in unpriced if r.to_loss_s < rec.to_loss_s]
+        held_back = min(unpriced, key=lambda r: r.to_loss_s, default=None)
     memory = fsdp_memory(
         params=params, ranks_per_node=profile.ranks_per_node, units=units, period=rec.period or 1,
         fragments=rec.fragments, overlap=rec.overlap, param_bytes=pb, grad_bytes=pb,
@@ -198,7 +228,7 @@ def make_fsdp_plan(
             )  # fmt: skip
             same.append((option, st.step_s))
     return FsdpPlan(
-        compress_same=tuple(same),
+        compress_same=tuple(same), steps_penalty=steps_penalty, by_step=by_step, held_back=held_back,
         profile=profile, params=float(params), dtype=dtype, units=units, backward_s=backward, compute_s=compute,
         compress=compress, compress_ratio=ratio, reshard_after_forward=reshard_after_forward,
         copy_source=copy_source, warmup_steps=warmup_steps, rows=rows, hsdp=rows[0], recommended=rec,
@@ -239,7 +269,7 @@ def fsdp_register_lines(plan: FsdpPlan) -> list[str]:
 
 def format_fsdp_plan(plan: FsdpPlan) -> str:
     """The FSDP plan as text: the table, the recommendation, the memory per GPU, what to paste."""
-    p, m, rec = plan.profile, plan.memory, plan.recommended
+    p, m, rec, sp = plan.profile, plan.memory, plan.recommended, plan.steps_penalty
     unit = plan.params * DTYPE_BYTES[plan.dtype] / plan.units
     lines = [
         f"profile {p.name or '(unnamed)'} [{p.backend}]: {p.nodes} nodes x {p.ranks_per_node} GPUs; FSDP2 over each "
@@ -247,13 +277,17 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
         f"{plan.units} units of {_gb(unit)}; backward {_ms(plan.backward_s)}, compute {_ms(plan.compute_s)}; "
         f"reshard_after_forward={plan.reshard_after_forward}; launch copies: {plan.copy_source}",
         "",
-        f"{'schedule':<26} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'vs HSDP':>8} {'peak_inter_MB':>13}",
+        f"{'schedule':<26} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'vs HSDP':>8} {'peak_inter_MB':>13}"
+        + (f" {'penalty':>8} {'to_loss_ms':>11}" if sp else ""),
     ]
     for r in plan.rows:
         mark = "  <- recommended" if r is rec else ""
+        priced = ""
+        if sp:
+            priced = f" {r.penalty.cell if r.penalty else '-':>8} {to_loss_cell(r.st.step_s, r.penalty):>11}"
         lines.append(
             f"{r.schedule:<26} {r.st.comm_s * 1e3:>11,.1f} {r.st.exposed_s * 1e3:>11,.1f} {r.st.step_s * 1e3:>11,.1f} "
-            f"{r.speedup:>7.2f}x {r.st.inter_bytes_peak / 2**20:>13,.1f}{mark}"
+            f"{r.speedup:>7.2f}x {r.st.inter_bytes_peak / 2**20:>13,.1f}{priced}{mark}"
         )
     if rec.period == 1:
         how = "FSDP2 HSDP: hiersync period=1 (the rail all-reduce of every gradient shard, every step)"
@@ -263,10 +297,18 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
             f"overlap={rec.overlap}: the rank's parameter shard averaged on its rail after optimizer.step()"
         )
     fits = "fits in" if plan.fits else "does NOT fit in"
-    lines += [
-        "",
+    lines += ["", *(penalty_lines(sp, [r.period for r in plan.rows if r.period]) if sp else [BY_STEP_TIME])]
+    lines.append(
         f"recommend: {how}: step {_ms(rec.st.step_s)}, {rec.speedup:.2f}x vs HSDP ({_ms(plan.hsdp.st.step_s)}); "
-        f"peak {rec.st.inter_bytes_peak / 2**20:,.1f} MB between nodes per rank per step",
+        f"peak {rec.st.inter_bytes_peak / 2**20:,.1f} MB between nodes per rank per step"
+    )
+    if sp and rec.penalty:
+        hsdp = plan.hsdp
+        lines.append(to_loss_line(rec.st.step_s, rec.penalty, "HSDP", hsdp.to_loss_s))
+        by = plan.by_step
+        if by is not None and by is not rec:
+            lines.append(by_step_line(by.schedule, by.st.step_s, by.penalty))
+    lines += [
         f"memory per GPU: {_gb(m.total)}, {fits} a GPU of {plan.gpu_memory_gb:g} GB: parameters {_gb(m.params)} + "
         f"gradients {_gb(m.grads)} + optimizer state {_gb(m.optimizer)} (each sharded 1/{p.ranks_per_node}) + "
         f"unsharded units {_gb(m.unsharded)} + hiersync {_gb(m.hiersync)} (anchor {_gb(m.anchor)}, outer momentum "
@@ -300,6 +342,9 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
             "warning: the model does not fit: more GPUs per node shard it further; reshard_after_forward=True, "
             "bf16 parameters (--dtype bf16) or a smaller optimizer state cut the rest"
         )
+    held = plan.held_back
+    if held is not None and held.penalty is not None:
+        lines.append(f"warning: {held_back_warning(held.schedule, held.st.step_s, held.penalty)}")
     k = rec.period or 1
     if k > 1 and k == max(r.period or 0 for r in plan.rows) and rec.st.step_s > plan.rows[-1].st.step_s * 1.01:
         lines.append(

@@ -31,7 +31,15 @@ from hiersync.vocab import MiB
 from . import compression, planner_sweeps
 from .memory import SyncMemory, sync_memory
 from .planner_report import collectives_assumed, edge_warnings, format_plan, verdict
-from .planner_sweeps import COMPRESS_NEAR, break_even_gbps
+from .planner_sweeps import (
+    COMPRESS_NEAR,
+    NEAR_BEST,
+    StepsPenalties,
+    StepsPenalty,
+    break_even_gbps,
+    read_steps_penalty,
+    smallest_near_best,
+)
 
 __all__ = [
     "PlanRow",
@@ -47,6 +55,9 @@ __all__ = [
     "compress_ratio_for",
     "copy_speed",
     "COMPRESS_NEAR",
+    "NEAR_BEST",
+    "StepsPenalties",
+    "read_steps_penalty",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,8 +67,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # gain is bounded by what never syncing across nodes would give, and a finite k that keeps
 # accuracy gets less still: not worth the drift for most jobs.
 HELPS_MUCH = 2.0
-# Recommend the smallest period within 5% of the best step time: larger k costs accuracy.
-NEAR_BEST = 1.05
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb default; preferred when times tie
 # Streaming grid (HierState(period=k, fragments=F, overlap=tau)): F <= 2k, tau <= k - 1.
 # Within 5% of the fastest, the smallest tau wins (a stale average costs accuracy).
@@ -95,6 +104,14 @@ class PlanRow:
     placement: str | None = None
     """Where the period-k average runs (``"hook"``, ``"optimizer"``, ``"overlap"``); None for
     DDP, period 1 and intra-only."""
+    penalty: StepsPenalty | None = None
+    """Steps to DDP's loss as x DDP's steps at this row's period (``--steps-penalty``); None:
+    not given, or intra-only (k -> infinity)."""
+
+    @property
+    def to_loss_s(self) -> float:
+        """Predicted wall-clock to DDP's loss per DDP step: step time x steps penalty (step time without one)."""
+        return self.step_s * (self.penalty.value if self.penalty else 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +147,8 @@ class Plan:
     best_ddp: PlanRow
     """Fastest DDP row."""
     recommended: PlanRow
-    """Row to use: the smallest period within 5% of the best step time."""
+    """Row to use: the smallest period within 5% of the best step time, or with a steps penalty
+    of the best predicted wall-clock to DDP's loss (:attr:`PlanRow.to_loss_s`)."""
     flat_allreduce_s: float
     """Flat all-reduce of the whole gradient as one message (bandwidth view)."""
     intra_allreduce_s: float
@@ -163,6 +181,14 @@ class Plan:
     compress_pays: str | None = None
     """The option to use: the least lossy one within :data:`COMPRESS_NEAR` of the fastest at the
     recommended configuration."""
+    steps_penalty: StepsPenalties | None = None
+    """The steps penalties the ranking priced; None: it ranked by step time alone."""
+    by_step: PlanRow | None = None
+    """What step time alone would recommend (the same row as :attr:`recommended` without a penalty)."""
+    held_back: PlanRow | None = None
+    """The row that might reach DDP's loss soonest, sooner than :attr:`recommended`, but whose penalty
+    is extrapolated, or only a lower bound (its period did not reach DDP's loss in the measurement),
+    so it is not recommended; None if none."""
 
     @property
     def bucket_cap_mb(self) -> float:
@@ -258,6 +284,7 @@ def make_plan(
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
     break_even: bool = True,
     compare_compress: bool = False,
+    steps_penalty: StepsPenalties | str | None = None,
 ) -> Plan:
     """Model every schedule x bucket size and pick the bucket size, period and streaming to use.
 
@@ -278,6 +305,11 @@ def make_plan(
     configuration and re-planned (:attr:`Plan.compress_same`, :attr:`Plan.compress_steps`) and
     names the one that pays (:attr:`Plan.compress_pays`); ``python -m hiersync plan`` does.
     ``compress``: None/"none", "bf16", "fp16", "int8" or "int4" (:mod:`.compression`).
+    ``steps_penalty`` (``"k=4:1.08,k=16:1.25"``, a time_to_loss.json path, or
+    :class:`StepsPenalties`): steps to DDP's loss per period as x DDP's; the rows then carry it
+    and the recommendation is the smallest period within 5% of the best predicted wall-clock to
+    DDP's loss (step x penalty), among rows whose penalty is given, measured or interpolated
+    (:attr:`Plan.held_back`: a faster one that is not). None: ranked by step time alone.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
@@ -295,6 +327,8 @@ def make_plan(
     _ints("overlaps", overlaps, 0, " (0 = blocking)")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if isinstance(steps_penalty, str):
+        steps_penalty = read_steps_penalty(steps_penalty)
     calibrated = profile.calibrated_nodes  # before the planned shape replaces the profile's
     profile = replace(
         profile,
@@ -312,18 +346,29 @@ def make_plan(
     sent = None if compress == "none" else compress
     common["param_bytes"] = DTYPE_BYTES[dtype]
     rows = _rows(profile, common, periods, bucket_mb, sent, placement, fragments, overlaps)
+    if steps_penalty is not None:
+        rows = tuple(
+            r if r.period is None else replace(r, penalty=steps_penalty.at(r.period, streaming=_streams(r)))
+            for r in rows
+        )
+
+    def bucket_pref(r: PlanRow) -> float:
+        return abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))
 
     def best(candidates: Sequence[PlanRow]) -> PlanRow:
-        return min(candidates, key=lambda r: (r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
+        return min(candidates, key=lambda r: (r.step_s, bucket_pref(r)))
 
     best_ddp = best([r for r in rows if r.schedule == "ddp"])
     best_intra = best([r for r in rows if r.period is None])
     usable = [r for r in rows if r.period is not None]
-    target = min(r.step_s for r in usable) * NEAR_BEST
-    period = min(r.period for r in usable if r.period is not None and r.step_s <= target)
-    # at that period: the smallest overlap within reach, then the fastest
-    near = [r for r in usable if r.period == period and r.step_s <= target]
-    recommended = min(near, key=lambda r: (r.overlap, r.step_s, abs(math.log(r.bucket_mb / DEFAULT_BUCKET_MB))))
+    by_step = smallest_near_best(usable, lambda r: r.step_s, bucket_pref)
+    recommended, held_back = by_step, None
+    if steps_penalty is not None:
+        priced = [r for r in usable if r.penalty is None or r.penalty.trusted]  # k = 1 always is
+        recommended = smallest_near_best(priced, lambda r: r.to_loss_s, bucket_pref)
+        unpriced = [r for r in usable if r.penalty and r.penalty.known and not r.penalty.trusted]
+        unpriced = [r for r in unpriced if r.to_loss_s < recommended.to_loss_s]
+        held_back = min(unpriced, key=lambda r: r.to_loss_s, default=None)
 
     flat_s = cm.predict_allreduce(grad_bytes, profile)
     intra_s = cm.predict_allreduce(grad_bytes, cm.node_profile(profile))
@@ -377,12 +422,16 @@ def make_plan(
         memory=memory,
         collectives=collectives_assumed(profile, recommended, grad_bytes * ratio),
         calibrated_nodes=calibrated,
+        steps_penalty=steps_penalty,
+        by_step=by_step,
+        held_back=held_back,
     )
     if compare_compress and profile.nodes > 1:
         others: dict[str, Any] = dict(
             params=params, backward_s=backward, compute_s=compute, dtype=dtype, periods=periods,
             bucket_mb=bucket_mb, placement=placement, fragments=fragments, overlaps=overlaps,
             copy_s_per_byte=copy_s_per_byte, warmup_steps=warmup_steps, break_even=False, compare_compress=False,
+            steps_penalty=steps_penalty,
         )  # fmt: skip
         same, steps, pays = planner_sweeps.compare_compress(
             plan, lambda option: plan if option == compress else make_plan(profile, compress=option, **others)
@@ -432,6 +481,11 @@ def _rows(
         )
         for name, k, mb, st, where in raw
     )
+
+
+def _streams(row: PlanRow) -> bool:
+    """Whether a row's sync streams (fragments or an overlap), for the penalty of its kind."""
+    return row.fragments > 1 or row.overlap > 0
 
 
 def _streaming(k: int, fragments: Sequence[int], overlaps: Sequence[int], kw: dict[str, Any]) -> cm.StepTime:

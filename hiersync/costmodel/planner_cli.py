@@ -27,6 +27,7 @@ from .fsdp import ADAMW_STATE_BYTES
 from .fsdp_plan import DEFAULT_UNITS, GPU_MEMORY_GB, format_fsdp_plan, make_fsdp_plan
 from .planner import DEFAULT_FRAGMENTS, DEFAULT_OVERLAPS, DEFAULT_WARMUP_STEPS, DTYPE_BYTES, copy_s_per_byte, make_plan
 from .planner_report import format_plan
+from .planner_sweeps import StepsPenalties, read_steps_penalty
 
 __all__ = ["add_arguments", "add_profile_arguments", "profile_from_args", "run"]
 
@@ -192,6 +193,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speed of the sync's launch copies in GB/s (default: the profile's, else 1000 under NCCL, 5 on "
         "gloo; 0 = copies free)",
     )
+    parser.add_argument(
+        "--steps-penalty",
+        metavar="k=4:1.08,k=16:1.25 | time_to_loss.json",
+        help="steps to DDP's loss per period, as x DDP's steps (>= 1; measure them with benchmarks/time_to_loss.py "
+        "on your model), or the time_to_loss.json it writes: rank by predicted wall-clock to the loss (step x "
+        "penalty) instead of step time; periods between given ones interpolated log-linearly in k",
+    )
     fsdp = parser.add_argument_group("FSDP2 inside the node (--fsdp)")
     fsdp.add_argument(
         "--fsdp",
@@ -273,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
             copy_s_per_byte=None if args.copy_gbps is None else copy_s_per_byte(args.copy_gbps),
             warmup_steps=args.warmup_steps,
             compare_compress=True,
+            steps_penalty=_steps_penalty(args),
         )
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None
@@ -281,6 +290,11 @@ def run(args: argparse.Namespace) -> int:
     state = plan.params * (DTYPE_BYTES[plan.dtype] + ADAMW_STATE_BYTES) + (plan.memory.total if plan.memory else 0.0)
     _print_failures(args, plan.profile, (rec.period or 1) * rec.step_s, state)
     return 0
+
+
+def _steps_penalty(args: argparse.Namespace) -> StepsPenalties | None:
+    text = getattr(args, "steps_penalty", None)
+    return None if text is None else read_steps_penalty(text)
 
 
 def _print_failures(args: argparse.Namespace, profile: cm.Profile, window_s: float, state_bytes: float) -> None:
@@ -328,6 +342,7 @@ def _run_fsdp(args: argparse.Namespace) -> int:
             gpu_memory_gb=args.gpu_memory_gb,
             activations_gb=args.activations_gb,
             warmup_steps=args.warmup_steps,
+            steps_penalty=_steps_penalty(args),
         )
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan --fsdp: error: {err}") from None

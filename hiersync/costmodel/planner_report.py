@@ -14,6 +14,7 @@ from hiersync.vocab import MiB
 
 if TYPE_CHECKING:
     from .planner import Plan, PlanRow
+    from .planner_sweeps import StepsPenalties, StepsPenalty
 
 __all__ = [
     "verdict",
@@ -24,7 +25,19 @@ __all__ = [
     "ddp_call",
     "register_call",
     "format_plan",
+    "BY_STEP_TIME",
+    "penalty_lines",
+    "held_back_warning",
+    "to_loss_line",
+    "to_loss_cell",
+    "by_step_line",
 ]
+
+BY_STEP_TIME = (
+    "ranking: by step time alone; local SGD usually needs more steps than DDP to reach the same loss; pass "
+    "--steps-penalty (measured with benchmarks/time_to_loss.py) to rank by time to the target loss"
+)
+"""What the plan says when it has no steps penalty."""
 
 EDGE_ROOM = 1.01
 """An edge of the grid matters when the step there is more than 1% slower than what moving
@@ -132,6 +145,81 @@ def edge_warnings(
     return out
 
 
+def penalty_lines(penalties: StepsPenalties, periods: Sequence[int]) -> list[str]:
+    """The ranking line and every planned period's steps penalty, each said given, measured, interpolated
+    or extrapolated."""
+    ks = sorted(set(periods))
+
+    def each(streaming: bool) -> str:
+        return ", ".join(penalties.at(k, streaming=streaming).describe() for k in ks)
+
+    says = f"blocking {each(False)}; streaming {each(True)}" if penalties.apart else each(False)
+    lines = [
+        "ranking: by predicted wall-clock to DDP's loss (the smallest k within 5% of the best): to_loss_ms = "
+        "step_ms x steps penalty (steps to DDP's loss / DDP's steps), per DDP step; penalties from "
+        f"{penalties.source}",
+        f"steps penalty: {says}",
+    ]
+    unplanned = [k for k in penalties.periods if k not in ks]
+    if unplanned:
+        lines[-1] += f"; given but not planned: k={','.join(map(str, unplanned))} (add to --periods)"
+    if any(penalties.at(k).how == "extrapolated" for k in ks):
+        lines[-1] += (
+            "; extrapolated values (?) are not recommended on: past the largest known k nothing bounds the penalty"
+        )
+    return lines
+
+
+def to_loss_line(step_s: float, penalty: StepsPenalty, reference: str, reference_s: float) -> str:
+    """The recommendation's predicted wall-clock to DDP's loss per DDP step, against exact sync's."""
+    to_loss = step_s * penalty.value
+    return (
+        f"to DDP's loss: step {_ms(step_s)} x penalty {penalty.value:.4g} = {_ms(to_loss)} per DDP step, "
+        f"{reference_s / to_loss:.2f}x sooner than {reference} ({_ms(reference_s)})"
+    )
+
+
+def to_loss_cell(step_s: float, penalty: StepsPenalty | None) -> str:
+    """The table's to_loss_ms: step x penalty, ``>`` a lower bound (the loss not reached), ``?`` unknown."""
+    if penalty is None:
+        return "-"
+    if not penalty.known:
+        return "?"
+    return f"{'' if penalty.reached else '>'}{step_s * penalty.value * 1e3:,.1f}"
+
+
+def _to_loss(step_s: float, penalty: StepsPenalty) -> str:
+    if not penalty.known:
+        return "unknown"
+    return f"{'' if penalty.reached else 'at least '}{_ms(step_s * penalty.value)} per DDP step"
+
+
+def by_step_line(what: str, step_s: float, penalty: StepsPenalty | None) -> str:
+    """What step time alone would have recommended, priced to DDP's loss."""
+    if penalty is None:
+        return f"by step time alone: {what}, step {_ms(step_s)}"
+    return (
+        f"by step time alone: {what}, step {_ms(step_s)} x penalty {penalty.cell}: to DDP's loss "
+        f"{_to_loss(step_s, penalty)}"
+    )
+
+
+def held_back_warning(schedule: str, step_s: float, penalty: StepsPenalty) -> str:
+    """Why a schedule that would reach the loss sooner is not the recommendation."""
+    k = penalty.period
+    if penalty.reached:
+        why = "its penalty is extrapolated past the largest given or measured k, where nothing bounds it"
+        priced = f"{_ms(step_s)} x {penalty.value:.4g} = {_ms(step_s * penalty.value)} per DDP step"
+    else:
+        why = f"period {k} did not reach DDP's loss in the measured run, so its time to the loss is unknown"
+        priced = f"at least {_ms(step_s * penalty.value)} per DDP step"
+    return (
+        f"{schedule} might reach DDP's loss sooner ({priced}) but {why}: not recommended; measure period {k} with "
+        f"benchmarks/time_to_loss.py, long enough to reach the loss (--max-steps-factor), and pass it to "
+        f"--steps-penalty"
+    )
+
+
 def collectives_assumed(profile: cm.Profile, rec: PlanRow, sync_bytes: float) -> str:
     """The collective algorithms the model priced (:func:`hiersync.costmodel.explain_allreduce`), in words."""
     lpn, n = profile.ranks_per_node, profile.nodes
@@ -235,6 +323,7 @@ def format_plan(plan: Plan) -> str:
     p = plan.profile
     rails = p.rails or p.ranks_per_node
     nics = min(rails, p.ranks_per_node)
+    sp = plan.steps_penalty
     lines = [
         f"profile {p.name or '(unnamed)'} [{p.backend}]: {p.nodes} nodes x {p.ranks_per_node} GPUs "
         f"= {p.nodes * p.ranks_per_node} ranks; {plan.params:,.4g} parameters, {plan.dtype} gradients "
@@ -243,13 +332,16 @@ def format_plan(plan: Plan) -> str:
         f"sync bytes x{plan.compress_ratio:g}; launch copies: {plan.copy_source}",
         "",
         f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
-        f"{'peak_inter_MB':>13}",
+        f"{'peak_inter_MB':>13}" + (f" {'penalty':>8} {'to_loss_ms':>11}" if sp else ""),
     ]
     for r in plan.rows:
         mark = "  <- recommended" if r is plan.recommended else ""
+        priced = ""
+        if sp:
+            priced = f" {r.penalty.cell if r.penalty else '-':>8} {to_loss_cell(r.step_s, r.penalty):>11}"
         lines.append(
             f"{r.schedule:<26} {r.bucket_mb:>9g} {r.comm_s * 1e3:>11,.1f} {r.exposed_s * 1e3:>11,.1f} "
-            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{mark}"
+            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{priced}{mark}"
         )
     rec = plan.recommended
     if not plan.use_hiersync:
@@ -259,14 +351,20 @@ def format_plan(plan: Plan) -> str:
     else:
         where = "after optimizer.step()" if rec.placement != "hook" else "in the hook"
         how = f"hiersync period={rec.period}, fragments={rec.fragments}, overlap={rec.overlap} ({where})"
+    lines += ["", *(penalty_lines(sp, [r.period for r in plan.rows if r.period]) if sp else [BY_STEP_TIME])]
     lines += [
-        "",
         f"recommend: bucket_cap_mb={plan.bucket_cap_mb:g}, {how}: step {_ms(rec.step_s)}, "
         f"{rec.speedup:.2f}x vs best DDP ({_ms(plan.best_ddp.step_s)} at {plan.best_ddp.bucket_mb:g} MB); "
         f"peak {rec.inter_bytes_peak / MiB:,.1f} MB between nodes per rank per step (DDP "
         f"{plan.best_ddp.inter_bytes_peak / MiB:,.1f} MB)",
-        f"paste: ddp = {ddp_call(plan)}",
     ]
+    if sp and rec.penalty:
+        ddp = plan.best_ddp
+        lines.append(to_loss_line(rec.step_s, rec.penalty, "DDP", ddp.to_loss_s))
+        by = plan.by_step
+        if by is not None and by is not rec:
+            lines.append(by_step_line(f"{by.schedule} at bucket {by.bucket_mb:g} MB", by.step_s, by.penalty))
+    lines.append(f"paste: ddp = {ddp_call(plan)}")
     if plan.use_hiersync:
         lines.append(f"       {register_call(plan)}")
         lines.append(_memory(plan))
@@ -274,16 +372,17 @@ def format_plan(plan: Plan) -> str:
         lines.append(compress_line(plan))
     be = plan.break_even_gbps
     node_bw = p.inter.bandwidth * nics / 1e9
+    faster = "reaches DDP's loss >= 5% sooner than DDP, at the steps penalty" if sp else ">= 5% faster steps than DDP"
     if be is None and p.nodes > 1:
-        lines.append("break-even: hiersync does not help (>= 5% faster steps) even at 1 MB/s per node")
+        lines.append(f"break-even: hiersync does not help ({faster}) even at 1 MB/s per node")
     elif be is not None and math.isinf(be):
         lines.append(
-            "break-even: hiersync helps (>= 5% faster steps) at every inter-node bandwidth tried, up to 10 TB/s "
+            f"break-even: hiersync helps ({faster}) at every inter-node bandwidth tried, up to 10 TB/s "
             "per node: DDP's step is bound by something else here (intra-node links, per-bucket latency)"
         )
     elif be is not None:
         lines.append(
-            f"break-even: hiersync helps (>= 5% faster steps than DDP) while inter-node bandwidth per node is "
+            f"break-even: hiersync helps ({faster}) while inter-node bandwidth per node is "
             f"below {be:,.3g} GB/s (this profile: {node_bw:,.3g} GB/s)"
         )
     lines += [
@@ -302,4 +401,9 @@ def format_plan(plan: Plan) -> str:
         f"verdict: {plan.verdict}",
     ]
     lines += [f"warning: {w}" for w in plan.warnings]
+    held = plan.held_back
+    if held is not None and held.penalty is not None:
+        lines.append(
+            f"warning: {held_back_warning(f'{held.schedule} at {held.bucket_mb:g} MB', held.step_s, held.penalty)}"
+        )
     return "\n".join(lines)
