@@ -61,6 +61,7 @@ def hiersync_options(name: str) -> dict[str, Any] | None:
         out["average_optimizer_state"] = ("exp_avg",)
     return out
 
+
 SCHEDULES: dict[str, dict[str, Any] | None] = {
     "ddp": None,
     "postlocal_k4": None,
