@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "combine_steps",
+    "timed_schedules",
+    "warm_parts",
     "final_gap",
     "mean_interval",
     "mean_curve",
@@ -173,31 +176,71 @@ def verdict(row: dict, goal: float) -> str:
     return f"UNDECIDED ({span}: the interval spans {goal}x)"
 
 
-def combine_steps(rows: list[dict], loss_rows: list[dict]) -> list[dict]:
+_WARM = re.compile(r"_w(\d+)(?=_|$)")
+
+
+def warm_parts(name: str) -> tuple[int, str] | None:
+    """A warm-up row's ``(W, steady twin)``: ``hiersync_k4_stream_w150`` -> ``(150, "hiersync_k4_stream")``."""
+    m = _WARM.search(name) if name.startswith("hiersync_") else None
+    return (int(m.group(1)), name[: m.start()] + name[m.end() :]) if m else None
+
+
+def timed_schedules(names: list[str]) -> list[str]:
+    """The rows a wall-clock run times for ``names``: a warm-up row by its two phases.
+
+    Its first W steps are exact (k=1, ``hiersync_k1``) and the rest its steady schedule
+    (the twin without ``_w<W>``): a short timed run of the row itself would time its warm-up only.
+    """
+    out: list[str] = []
+    for name in names:
+        parts = warm_parts(name)
+        out += ["hiersync_k1", parts[1]] if parts else [name]
+    return list(dict.fromkeys(out))
+
+
+def combine_steps(rows: list[dict], loss_rows: list[dict], ddp_steps: int | None = None) -> list[dict]:
     """Wall-clock to DDP's loss = steps to it (``loss_rows``, many seeds) x s/step (``rows``, this link).
 
     Steps to a loss do not depend on the link: a loss-only run with many seeds on the plain
     loopback gives them; this run gives each schedule's seconds per step on the shaped link.
-    Returns, per schedule in both, ``wall_x_ddp`` and its interval (the steps interval times
-    the ratio of s/step); schedules absent from ``loss_rows`` are left out.
+    A warm-up row (``_w<W>``) is timed by its phases (:func:`timed_schedules`): of its N steps
+    to the loss, min(W, N) at ``hiersync_k1``'s s/step and the rest at its twin's (needs
+    ``ddp_steps``, DDP's steps in the loss-only run). Returns, per schedule of ``loss_rows``
+    that this run timed, ``wall_x_ddp`` and its interval (the steps interval priced the same
+    way); schedules it did not time are left out.
     """
-    by_name = {r["schedule"]: r for r in loss_rows}
-    ddp = next(r for r in rows if r["schedule"] == "ddp")
+    timed = {r["schedule"]: r["s_per_step"] for r in rows}
+    s_ddp = timed["ddp"]
     out = []
-    for r in rows:
-        lr = by_name.get(r["schedule"])
-        if lr is None:
+    for lr in loss_rows:
+        name = lr["schedule"]
+        parts = warm_parts(name)
+        if parts and ddp_steps and "hiersync_k1" in timed and parts[1] in timed:
+            warm, steady = parts[0], timed[parts[1]]
+
+            def wall(x: float, warm: int = warm, steady: float = steady) -> float:
+                n = x * ddp_steps
+                return (min(warm, n) * timed["hiersync_k1"] + max(n - warm, 0.0) * steady) / (ddp_steps * s_ddp)
+
+            per_step = None
+        elif name in timed:
+            per_step = timed[name]
+
+            def wall(x: float, per_step: float = per_step) -> float:
+                return x * per_step / s_ddp
+        else:
             continue
-        speed = r["s_per_step"] / ddp["s_per_step"]
         iv = (lr.get("interval_90") or {}).get("steps")
+        x = lr["steps_x_ddp"]
         out.append(
             dict(
-                schedule=r["schedule"],
-                s_per_step=r["s_per_step"],
-                steps_x_ddp=lr["steps_x_ddp"],
+                schedule=name,
+                s_per_step=per_step,
+                steps_x_ddp=x,
                 steps_interval=iv,
-                wall_x_ddp=None if lr["steps_x_ddp"] is None else lr["steps_x_ddp"] * speed,
-                wall_interval=None if iv is None else (iv[0] * speed, iv[1] * speed),
+                wall_x_ddp=None if x is None else wall(x),
+                wall_interval=None if iv is None else (wall(iv[0]), wall(iv[1])),
+                **{k: lr[k] for k in ("period", "fragments", "overlap", "warmup_steps") if k in lr},
             )
         )
     return out
@@ -237,6 +280,12 @@ def table(rows: list[dict], steps: int, target: float, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _per_step(c: dict) -> str:
+    if c["s_per_step"] is not None:
+        return f"{c['s_per_step']:.3f}"
+    return "warm-up at k=1, then {}".format(warm_parts(c["schedule"])[1]) if warm_parts(c["schedule"]) else "-"
+
+
 def combined_table(combined: list[dict], loss_seeds: int) -> str:
     lines = [
         f"| schedule | s/step on this link | steps vs DDP ({loss_seeds} seeds, 90% interval) "
@@ -245,7 +294,7 @@ def combined_table(combined: list[dict], loss_seeds: int) -> str:
     ]
     for c in combined:
         lines.append(
-            f"| {c['schedule']} | {c['s_per_step']:.3f} | {_x(c['steps_x_ddp'])}{_ci(c['steps_interval'])} "
+            f"| {c['schedule']} | {_per_step(c)} | {_x(c['steps_x_ddp'])}{_ci(c['steps_interval'])} "
             f"| {_x(c['wall_x_ddp'])}{_ci(c['wall_interval'])} |"
         )
     return "\n".join(lines)

@@ -59,7 +59,11 @@ spans G.
 Steps to a loss do not depend on the link, so the steps figure comes from a loss-only run
 with many seeds on the plain loopback (``--inter-rate none``: no probes, no shaping), and
 the wall-clock from fewer seeds on the shaped link, ``--steps-from`` the loss-only run's
-JSON: wall-clock to DDP's loss = steps to it (many seeds) x s/step (this link).
+JSON (or several, on the same seeds and DDP: one per ``--max-steps-factor``): wall-clock to
+DDP's loss = steps to it (many seeds) x s/step (this link). A warm-up row (``_w<W>``) is timed
+by its two phases: its first W steps at ``hiersync_k1``'s s/step (exact sync, what a warm-up
+step does) and the rest at its steady twin's (the name without ``_w<W>``); the run times those
+rows instead of the warm-up row itself.
 
 **Link rate.** A 2-core CPU box computes this model in a few hundred ms per step, so the
 800 Mbit default link would make communication a small share of DDP's step: nothing like a
@@ -100,16 +104,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import _lm  # noqa: E402
-from _ttl_stats import combine_steps, combined_table, final_gap, plot, summarize, table, verdict  # noqa: E402
+from _ttl_stats import (  # noqa: E402
+    combine_steps,
+    combined_table,
+    final_gap,
+    plot,
+    summarize,
+    table,
+    timed_schedules,
+    verdict,
+)
 from _ttl_worker import GRAMMAR, SCHEDULES, TORCHFT, hiersync_options, worker  # noqa: E402
 
-__all__ = ["main", "worker", "SCHEDULES", "summarize", "table", "final_gap", "verdict"]
+__all__ = ["main", "loss_runs", "worker", "SCHEDULES", "summarize", "table", "final_gap", "verdict"]
 
 DEFAULT_SCHEDULES = ["ddp", "hiersync_k4_stream", "hiersync_k4_stream_expavg"]
 PEER_SCHEDULES = {"torchft": ["torchft_diloco_k4", "torchft_streaming_k4"]}
 # The example's peak lr (3e-3) makes this short run chaotic: two schedules on one seed end apart by
 # more than the effect measured (docs/time-to-loss.md). A third of it is the benchmark's default.
 LR = 1e-3
+ROW_KEYS = ("period", "fragments", "overlap", "warmup_steps")
 PLAN_ARGS = "--preset a100-1nic --params 7e9 --nodes 16 --gpus-per-node 8 --forward-ms 400 --backward-ms 800"
 
 
@@ -247,6 +261,29 @@ def probes(a: argparse.Namespace) -> tuple[dict, dict, float]:
     return plan, dict(compute_s_per_step=c_step, ddp_s_per_step=d_step, exposed_fraction=measured), match_rate
 
 
+def loss_runs(paths: list[str]) -> dict[str, Any]:
+    """One loss-only run from one or several time_to_loss.json files on the same seeds and DDP runs.
+
+    Steps to DDP's loss are read against DDP's mean final loss, so the files must share it (the
+    same seeds, DDP steps and LM flags: e.g. two runs with different ``--max-steps-factor``);
+    a schedule in several files counts from the first.
+    """
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        if (run["seeds"], run["target"], run["lm_args"]) != (first["seeds"], first["target"], first["lm_args"]):
+            raise SystemExit(
+                f"--steps-from {path}: seeds {run['seeds']}, DDP's loss {run['target']:.4f}, LM flags "
+                f"{run['lm_args']} differ from {paths[0]}'s ({first['seeds']}, {first['target']:.4f}, "
+                f"{first['lm_args']}): pass loss-only runs of the same seeds and DDP"
+            )
+    table: dict[str, dict] = {}
+    for run in runs:
+        for row in run["table"]:
+            table.setdefault(row["schedule"], row)
+    return dict(first, table=list(table.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # --seed is not --seeds
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -291,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goal", type=float, default=1.05, help="the verdict: steps to DDP's loss <= GOAL x DDP's")
     p.add_argument(
         "--steps-from",
+        nargs="+",
         default=None,
-        help="a loss-only run's time_to_loss.json (many seeds, e.g. --inter-rate none): wall-clock to DDP's loss "
-        "is also given as its steps to it x this run's s/step",
+        help="a loss-only run's time_to_loss.json (many seeds, e.g. --inter-rate none), or several on the same seeds "
+        "and DDP (e.g. one per --max-steps-factor): wall-clock to DDP's loss is also given as its steps to it x this "
+        "run's s/step",
     )
     p.add_argument(
         "--cache",
@@ -329,12 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     sized = max_steps if a.budget else a.steps  # the others' lr schedule
     how = "with their lr schedule sized to that budget" if a.budget else "the lr held at its floor after --steps"
     print(f"training, seeds {a.seeds}: DDP {a.steps} steps, the others {max_steps} ({how}):", flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in ["ddp", *(n for n in a.schedules if n != "ddp")]}
+    names = timed_schedules(a.schedules) if a.steps_from else a.schedules  # a warm-up row: timed by phases
+    runs: dict[str, list[dict]] = {name: [] for name in ["ddp", *(n for n in names if n != "ddp")]}
     for seed in a.seeds:
         for name in runs:
             ddp = name == "ddp"
             runs[name].append(_launch(a, name, a.steps if ddp else max_steps, seed, a.steps if ddp else sized))
     target, rows = summarize(runs, a.steps)
+    for row in rows:  # what the planner reads a row's period and kind from
+        row.update({k: v for k, v in (hiersync_options(row["schedule"]) or {}).items() if k in ROW_KEYS})
     md = table(rows, a.steps, target, a.seeds)
     ddp_wall = rows[0]["wall_to_target"]
     print(f"\ntarget: DDP's final val loss {target:.4f} after {a.steps} steps, {ddp_wall:.1f} s\n{md}")
@@ -349,10 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     combined = None
     if a.steps_from:
-        loss_run = json.loads(Path(a.steps_from).read_text())
-        combined = combine_steps(rows, loss_run["table"])
+        loss_run = loss_runs(a.steps_from)
+        ddp_steps = next(r["steps_to_target"] for r in loss_run["table"] if r["schedule"] == "ddp")
+        combined = combine_steps(rows, loss_run["table"], ddp_steps)
         print(
-            f"\nwall-clock to DDP's loss = steps to it from {a.steps_from} ({len(loss_run['seeds'])} seeds, "
+            f"\nwall-clock to DDP's loss = steps to it from {' + '.join(a.steps_from)} "
+            f"({len(loss_run['seeds'])} seeds, "
             f"{loss_run['link']}) x s/step on this link ({runs['ddp'][0]['link']}):\n"
             + combined_table(combined, len(loss_run["seeds"]))
         )
@@ -396,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 probe=probe_out,
                 lm_args=a.lm_args,
                 goal=a.goal,
-                steps_from=a.steps_from,
+                steps_from=" ".join(a.steps_from or []) or None,
                 combined=combined,
                 matching_rate=match_rate,
                 target=target,

@@ -704,6 +704,7 @@ def _ttl_file(tmp_path, *, combined=False):
     reach = {
         "ddp": 20, "hiersync_k2_stream": 21, "hiersync_k4": 22, "hiersync_k4_stream": 24,
         "hiersync_k4_stream_expavg": 26, "hiersync_k8_stream": None, "torchft_diloco_k4": 20.5,
+        "hiersync_k4_stream_w10": 20.2,
     }  # fmt: skip
     runs = {name: [run(r, 20 if name == "ddp" else 25) for _ in range(3)] for name, r in reach.items()}
     _, rows = stats.summarize(runs, 20)
@@ -722,7 +723,8 @@ def test_steps_penalty_from_a_time_to_loss_file(tmp_path):
     # streaming: the best streaming schedule per k; k=8 never reached DDP's loss in its 25 steps
     k2, k4, k8 = (sp.at(k, streaming=True) for k in (2, 4, 8))
     assert (k2.value, k2.schedule, k2.how) == (pytest.approx(1.05), "hiersync_k2_stream", "measured")
-    assert (k4.value, k4.schedule) == (pytest.approx(1.2), "hiersync_k4_stream")  # not expavg's 1.3
+    # not expavg's 1.3, nor the warm-up row's 1.01 (its first 10 steps were exact, not k=4)
+    assert (k4.value, k4.schedule) == (pytest.approx(1.2), "hiersync_k4_stream")
     assert k4.interval == pytest.approx((1.2, 1.2))  # three identical seeds: a point
     assert not k8.reached and k8.value == pytest.approx(25 / 20) and k8.cell == ">1.25" and not k8.trusted
     assert "not reached by hiersync_k8_stream" in k8.describe()
@@ -770,3 +772,16 @@ def test_bad_time_to_loss_files_say_what_to_pass(tmp_path, content, match):
     argv = ["plan", "--preset", "a100-1nic", "--params", "1e9", "--backward-ms", "100", "--forward-ms", "50"]
     with pytest.raises(SystemExit, match="python -m hiersync plan: error: --steps-penalty"):
         cli.main([*argv, "--steps-penalty", str(path)])
+
+
+def test_the_paste_carries_the_outer_step_its_penalty_was_measured_with(tmp_path):
+    import json
+
+    rows = [
+        dict(schedule="ddp", steps_x_ddp=1.0, steps_to_target=300),
+        dict(schedule="hiersync_k4_stream_o0.7m0.5", steps_x_ddp=1.05, interval_90={"steps": [1.0, 1.1]}),
+    ]
+    path = tmp_path / "time_to_loss.json"
+    path.write_text(json.dumps(dict(seeds=[0, 1, 2], table=rows)))
+    text = format_plan(make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], steps_penalty=str(path)))
+    assert "period=4, warmup_steps=100, fragments=4, overlap=1, outer_lr=0.7, outer_momentum=0.5)" in text

@@ -106,6 +106,29 @@ def test_wall_clock_from_a_loss_only_run():
     assert "| x | 0.100 | 1.10 (1.00-1.20) | 0.22 (0.20-0.24) |" in stats.combined_table(got, 8)
 
 
+def test_a_warm_up_row_is_timed_by_its_phases():
+    """W exact steps at hiersync_k1's s/step, the rest at the steady twin's: not the row's own short run."""
+    assert stats.timed_schedules(["ddp", "hiersync_k4_stream_w100_o0.7m0.5", "hiersync_k4_stream"]) == [
+        "ddp",
+        "hiersync_k1",
+        "hiersync_k4_stream_o0.7m0.5",
+        "hiersync_k4_stream",
+    ]
+    rows = [
+        dict(schedule="ddp", s_per_step=0.5),
+        dict(schedule="hiersync_k1", s_per_step=0.4),
+        dict(schedule="hiersync_k4_stream", s_per_step=0.1),
+    ]
+    loss_rows = [dict(schedule="hiersync_k4_stream_w100", steps_x_ddp=1.2, interval_90={"steps": (0.2, 1.4)})]
+    (got,) = stats.combine_steps(rows, loss_rows, ddp_steps=300)
+    # 360 steps: 100 x 0.4 + 260 x 0.1 = 66 s against DDP's 300 x 0.5 = 150 s
+    assert got["wall_x_ddp"] == pytest.approx(66 / 150)
+    # 60 steps, all warm-up: 24 s; 420 steps: 40 + 32 = 72 s
+    assert got["wall_interval"] == pytest.approx((24 / 150, 72 / 150))
+    assert "warm-up at k=1, then hiersync_k4_stream" in stats.combined_table([got], 3)
+    assert stats.combine_steps(rows[:2], loss_rows, ddp_steps=300) == []  # its steady twin not timed
+
+
 def test_schedules_name_what_they_run():
     assert ttl.SCHEDULES["hiersync_k4_stream_expavg"]["average_optimizer_state"] == ("exp_avg",)
     assert ttl.SCHEDULES["hiersync_k4_stream_adam"]["average_optimizer_state"] == ("exp_avg", "exp_avg_sq")
@@ -166,3 +189,22 @@ def test_an_interrupted_launch_stops_the_testbed_with_sigterm(tmp_path):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     assert mark.exists() and time.monotonic() - t0 < 20
+
+
+def test_steps_from_several_loss_only_runs(tmp_path):
+    """Two loss-only runs of the same seeds and DDP (e.g. two --max-steps-factor) count as one."""
+    import json
+
+    def write(name, rows, target=2.1):
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(seeds=[0, 1], target=target, lm_args=["--lr", "0.001"], table=rows)))
+        return str(path)
+
+    ddp = dict(schedule="ddp", steps_x_ddp=1.0)
+    a = write("a.json", [ddp, dict(schedule="hiersync_k4_stream", steps_x_ddp=1.3)])
+    b = write("b.json", [ddp, dict(schedule="hiersync_k16_stream4", steps_x_ddp=1.2)])
+    got = ttl.loss_runs([a, b])
+    assert [r["schedule"] for r in got["table"]] == ["ddp", "hiersync_k4_stream", "hiersync_k16_stream4"]
+    other = write("c.json", [ddp], target=2.3)  # another DDP: its steps count against another loss
+    with pytest.raises(SystemExit, match="pass loss-only runs of the same seeds and DDP"):
+        ttl.loss_runs([a, other])

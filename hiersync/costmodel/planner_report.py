@@ -6,6 +6,7 @@ Pure text from a :class:`~.planner.Plan` and its rows; :mod:`.planner` computes 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -260,6 +261,9 @@ def register_call(plan: Plan) -> str:
             args.append(f"fragments={rec.fragments}")
         if rec.overlap:
             args.append(f"overlap={rec.overlap}")
+        outer = re.search(r"_o([\d.]+)m([\d.]+)", rec.penalty.schedule or "") if rec.penalty else None
+        if outer:  # the outer step its steps penalty was measured with
+            args.append(f"outer_lr={float(outer.group(1)):g}, outer_momentum={float(outer.group(2)):g}")
     return f"state = hiersync.register({', '.join(args)})"
 
 

@@ -260,8 +260,8 @@ def _row_streaming(row: dict[str, Any]) -> bool:
 def _measured(row: dict[str, Any], combined: bool, ddp_steps: float | None) -> StepsPenalty | None:
     """One time_to_loss.py row's penalty; None for DDP, period 1 and other libraries' rows."""
     k = _row_period(row)
-    if k is None or k < 2:
-        return None
+    if k is None or k < 2 or row.get("warmup_steps") or re.search(r"_w\d+(_|$)", str(row.get("schedule", ""))):
+        return None  # a warm-up row's first W steps are exact: its steps are not all priced at period k
     name = str(row["schedule"])
     iv = row.get("steps_interval") if combined else (row.get("interval_90") or {}).get("steps")
     interval = (float(iv[0]), float(iv[1])) if iv else None
@@ -288,8 +288,10 @@ def read_time_to_loss(path: str | Path) -> StepsPenalties:
     name says ``_stream``, or ``fragments``/``overlap`` keys say so). Per period and kind (blocking,
     streaming) the best schedule's ratio counts; a kind without its own row at a period shares
     the other's. Other libraries' rows (``postlocal_``, ``torchft_``) are not hiersync and are
-    skipped. A ratio below 1 counts as 1, said in its note; a schedule that never reached the
-    loss gives a lower bound (the steps it ran / DDP's) and is never recommended on.
+    skipped, and so are warm-up rows (``_w<W>``, ``warmup_steps``): their first W steps run at
+    k = 1, which a penalty at period k would price as k's. A ratio below 1 counts as 1, said in
+    its note; a schedule that never reached the loss gives a lower bound (the steps it ran /
+    DDP's) and is never recommended on.
     """
     path = Path(path)
     fix = "pass the time_to_loss.json that benchmarks/time_to_loss.py writes to its --out folder"
