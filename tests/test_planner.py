@@ -774,7 +774,7 @@ def test_bad_time_to_loss_files_say_what_to_pass(tmp_path, content, match):
         cli.main([*argv, "--steps-penalty", str(path)])
 
 
-def test_the_paste_carries_the_outer_step_its_penalty_was_measured_with(tmp_path):
+def test_the_paste_carries_the_outer_step_its_penalty_was_measured_with(tmp_path, capsys):
     import json
 
     rows = [
@@ -785,3 +785,11 @@ def test_the_paste_carries_the_outer_step_its_penalty_was_measured_with(tmp_path
     path.write_text(json.dumps(dict(seeds=[0, 1, 2], table=rows)))
     text = format_plan(make_plan(cm.PRESETS["a100-1nic"], **A100, bucket_mb=[25], steps_penalty=str(path)))
     assert "period=4, warmup_steps=100, fragments=4, overlap=1, outer_lr=0.7, outer_momentum=0.5)" in text
+    fsdp = cli.main(["plan", "--fsdp", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "16",
+                     "--gpus-per-node", "8", "--forward-ms", "400", "--backward-ms", "800",
+                     "--steps-penalty", str(path)])  # fmt: skip
+    assert fsdp == 0
+    assert (
+        "state = hiersync.register(model, opt, period=4, warmup_steps=100, fragments=4, overlap=1, outer_lr=0.7, "
+        "outer_momentum=0.5)" in capsys.readouterr().out
+    )

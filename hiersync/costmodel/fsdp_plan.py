@@ -37,7 +37,15 @@ from .planner import (
     compress_ratio_for,
     copy_speed,
 )
-from .planner_report import BY_STEP_TIME, by_step_line, held_back_warning, penalty_lines, to_loss_cell, to_loss_line
+from .planner_report import (
+    BY_STEP_TIME,
+    by_step_line,
+    held_back_warning,
+    outer_args,
+    penalty_lines,
+    to_loss_cell,
+    to_loss_line,
+)
 from .planner_sweeps import StepsPenalties, StepsPenalty, read_steps_penalty, smallest_near_best
 
 __all__ = ["DEFAULT_UNITS", "FsdpRow", "FsdpPlan", "make_fsdp_plan", "format_fsdp_plan", "fsdp_register_lines"]
@@ -257,6 +265,7 @@ def fsdp_register_lines(plan: FsdpPlan) -> list[str]:
             args.append(f"fragments={rec.fragments}")
         if rec.overlap:
             args.append(f"overlap={rec.overlap}")
+        args += outer_args(rec.penalty)
     reshard = "" if plan.reshard_after_forward else ", reshard_after_forward=False"
     return [
         "mesh = hiersync.node_mesh()",

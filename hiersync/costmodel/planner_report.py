@@ -261,10 +261,14 @@ def register_call(plan: Plan) -> str:
             args.append(f"fragments={rec.fragments}")
         if rec.overlap:
             args.append(f"overlap={rec.overlap}")
-        outer = re.search(r"_o([\d.]+)m([\d.]+)", rec.penalty.schedule or "") if rec.penalty else None
-        if outer:  # the outer step its steps penalty was measured with
-            args.append(f"outer_lr={float(outer.group(1)):g}, outer_momentum={float(outer.group(2)):g}")
+        args += outer_args(rec.penalty)
     return f"state = hiersync.register({', '.join(args)})"
+
+
+def outer_args(penalty: StepsPenalty | None) -> list[str]:
+    """The outer step a measured penalty's schedule ran (``hiersync_k4_stream_o0.7m0.5``), to paste with it."""
+    outer = re.search(r"_o([\d.]+)m([\d.]+)", penalty.schedule or "") if penalty else None
+    return [f"outer_lr={float(outer.group(1)):g}, outer_momentum={float(outer.group(2)):g}"] if outer else []
 
 
 def _memory(plan: Plan) -> str:
