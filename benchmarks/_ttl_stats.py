@@ -210,26 +210,19 @@ def combine_steps(rows: list[dict], loss_rows: list[dict], ddp_steps: int | None
     way); schedules it did not time are left out.
     """
     timed = {r["schedule"]: r["s_per_step"] for r in rows}
-    s_ddp = timed["ddp"]
+    s_ddp, s_warm, steps = timed["ddp"], timed.get("hiersync_k1"), ddp_steps or 1
     out = []
     for lr in loss_rows:
         name = lr["schedule"]
-        parts = warm_parts(name)
-        if parts and ddp_steps and "hiersync_k1" in timed and parts[1] in timed:
-            warm, steady = parts[0], timed[parts[1]]
-
-            def wall(x: float, warm: int = warm, steady: float = steady) -> float:
-                n = x * ddp_steps
-                return (min(warm, n) * timed["hiersync_k1"] + max(n - warm, 0.0) * steady) / (ddp_steps * s_ddp)
-
-            per_step = None
-        elif name in timed:
-            per_step = timed[name]
-
-            def wall(x: float, per_step: float = per_step) -> float:
-                return x * per_step / s_ddp
-        else:
+        warm, twin = warm_parts(name) or (0, name)
+        if twin not in timed or (warm and (s_warm is None or ddp_steps is None)):
             continue
+
+        def wall(x: float, warm: int = warm, s_twin: float = timed[twin]) -> float:
+            n = x * steps  # steps to the loss: the first `warm` of them exact
+            return (min(warm, n) * (s_warm or 0.0) + max(n - warm, 0.0) * s_twin) / (steps * s_ddp)
+
+        per_step = None if warm else timed[name]
         iv = (lr.get("interval_90") or {}).get("steps")
         x = lr["steps_x_ddp"]
         out.append(
