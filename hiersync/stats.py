@@ -104,9 +104,11 @@ class Stats:
         for f in fields(self):
             if not f.name.startswith("_"):
                 value = getattr(self, f.name)
-                out[f.name] = (
-                    dict(value) if isinstance(value, dict) else list(value) if not isinstance(value, int) else value
-                )
+                if isinstance(value, dict):
+                    value = dict(value)
+                elif isinstance(value, collections.deque):
+                    value = list(value)
+                out[f.name] = value
         return out
 
     def reset(self) -> None:

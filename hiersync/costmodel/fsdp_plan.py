@@ -46,7 +46,13 @@ from .planner_report import (
     to_loss_cell,
     to_loss_line,
 )
-from .planner_sweeps import StepsPenalties, StepsPenalty, read_steps_penalty, smallest_near_best
+from .planner_sweeps import (
+    StepsPenalties,
+    StepsPenalty,
+    rank_by_time_to_loss,
+    read_steps_penalty,
+    smallest_near_best,
+)
 
 __all__ = ["DEFAULT_UNITS", "FsdpRow", "FsdpPlan", "make_fsdp_plan", "format_fsdp_plan", "fsdp_register_lines"]
 
@@ -197,11 +203,7 @@ def make_fsdp_plan(
     by_step = rec = smallest_near_best(usable, lambda r: r.st.step_s, lambda r: 0.0)
     held_back = None
     if steps_penalty is not None:
-        priced = [r for r in usable if r.penalty is None or r.penalty.trusted]
-        rec = smallest_near_best(priced, lambda r: r.to_loss_s, lambda r: 0.0)
-        unpriced = [r for r in usable if r.penalty and r.penalty.known and not r.penalty.trusted]
-        unpriced = [r for r in unpriced if r.to_loss_s < rec.to_loss_s]
-        held_back = min(unpriced, key=lambda r: r.to_loss_s, default=None)
+        rec, held_back = rank_by_time_to_loss(usable, lambda r: 0.0)
     memory = fsdp_memory(
         params=params, ranks_per_node=profile.ranks_per_node, units=units, period=rec.period or 1,
         fragments=rec.fragments, overlap=rec.overlap, param_bytes=pb, grad_bytes=pb,

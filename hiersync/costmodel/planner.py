@@ -37,6 +37,7 @@ from .planner_sweeps import (
     StepsPenalties,
     StepsPenalty,
     break_even_gbps,
+    rank_by_time_to_loss,
     read_steps_penalty,
     smallest_near_best,
 )
@@ -364,11 +365,7 @@ def make_plan(
     by_step = smallest_near_best(usable, lambda r: r.step_s, bucket_pref)
     recommended, held_back = by_step, None
     if steps_penalty is not None:
-        priced = [r for r in usable if r.penalty is None or r.penalty.trusted]  # k = 1 always is
-        recommended = smallest_near_best(priced, lambda r: r.to_loss_s, bucket_pref)
-        unpriced = [r for r in usable if r.penalty and r.penalty.known and not r.penalty.trusted]
-        unpriced = [r for r in unpriced if r.to_loss_s < recommended.to_loss_s]
-        held_back = min(unpriced, key=lambda r: r.to_loss_s, default=None)
+        recommended, held_back = rank_by_time_to_loss(usable, bucket_pref)
 
     flat_s = cm.predict_allreduce(grad_bytes, profile)
     intra_s = cm.predict_allreduce(grad_bytes, cm.node_profile(profile))

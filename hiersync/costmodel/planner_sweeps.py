@@ -39,6 +39,7 @@ __all__ = [
     "read_time_to_loss",
     "read_steps_penalty",
     "smallest_near_best",
+    "rank_by_time_to_loss",
     "BREAK_EVEN_GAIN",
     "BREAK_EVEN_RANGE_GBPS",
     "COMPRESS_NEAR",
@@ -364,6 +365,17 @@ class _Ranked(Protocol):
 R = TypeVar("R", bound=_Ranked)
 
 
+class _Priced(_Ranked, Protocol):
+    @property
+    def penalty(self) -> StepsPenalty | None: ...
+
+    @property
+    def to_loss_s(self) -> float: ...
+
+
+P = TypeVar("P", bound=_Priced)
+
+
 def smallest_near_best(rows: Sequence[R], cost: Callable[[R], float], tiebreak: Callable[[R], float]) -> R:
     """The smallest period within :data:`NEAR_BEST` of the lowest ``cost``; at it the smallest overlap
     within reach, then the lowest cost, then the lowest ``tiebreak``."""
@@ -371,6 +383,17 @@ def smallest_near_best(rows: Sequence[R], cost: Callable[[R], float], tiebreak: 
     near = [r for r in rows if cost(r) <= target]
     period = min(r.period or 1 for r in near)
     return min((r for r in near if (r.period or 1) == period), key=lambda r: (r.overlap, cost(r), tiebreak(r)))
+
+
+def rank_by_time_to_loss(rows: Sequence[P], tiebreak: Callable[[P], float]) -> tuple[P, P | None]:
+    """The recommendation by predicted wall-clock to DDP's loss (``to_loss_s``) among ``rows`` whose
+    penalty is trusted (or absent: k = 1, intra-only), and the row held back: one that would reach
+    the loss sooner but whose penalty is extrapolated or only a lower bound (None if none)."""
+    priced = [r for r in rows if r.penalty is None or r.penalty.trusted]
+    rec = smallest_near_best(priced, lambda r: r.to_loss_s, tiebreak)
+    unpriced = [r for r in rows if r.penalty and r.penalty.known and not r.penalty.trusted]
+    held_back = min((r for r in unpriced if r.to_loss_s < rec.to_loss_s), key=lambda r: r.to_loss_s, default=None)
+    return rec, held_back
 
 
 def compare_compress(
