@@ -865,3 +865,18 @@ def test_bench_fsdp_end_to_end_tiny(tmp_path, capsys):
         assert rows[name]["inter_source"] == "counted" and rows[name]["inter_mb_step_mean"] > 0
     assert rows["fsdp_hiersync_p4_stream"]["inter_mb_step_peak"] < rows["fsdp_hiersync_p4"]["inter_mb_step_peak"]
     assert "| fsdp_hsdp |" in (out / "bench.md").read_text()
+
+
+def test_cached_host_memory_keeps_freed_blocks():
+    import ctypes
+
+    from hiersync.tools import bench_probes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        pytest.skip("no glibc here")
+    if not hasattr(libc, "mallopt"):
+        pytest.skip("no mallopt here")
+    assert bench_probes.cached_host_memory(reserve_mb=60) is True
+    bench_probes.exact_rss()  # back to the memory pass's setting for the tests that follow

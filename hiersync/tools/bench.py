@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if profile and probe:
         source += (
-            f"; launch copies at {probe['gbps']:.2f} GB/s, measured in this run (a fresh copy of "
+            f"; launch copies at {probe['gbps']:.2f} GB/s, measured in this run (a copy of "
             f"{probe['bytes'] / 2**20:.1f} MiB, every rank at once)"
         )
     model_checks = model_targets(entries)

@@ -8,6 +8,8 @@
   one interface is its link to the other nodes, so its transmit counter counts whatever
   any method sends between nodes, the same way for every row (Ethernet frames: payload
   plus TCP/IP headers);
+* :func:`cached_host_memory` / :func:`exact_rss`: the host allocator of the timing and of the
+  memory pass;
 * :class:`MemoryProbe`: a rank's peak resident memory over one run (Linux's high-water
   mark, reset at the run's start), so rows can be compared with DDP's.
 """
@@ -22,7 +24,16 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["PhaseProbe", "copy_probe", "LinkCounter", "read_tx_bytes", "MemoryProbe", "exact_rss", "rss_mb"]
+__all__ = [
+    "PhaseProbe",
+    "cached_host_memory",
+    "copy_probe",
+    "LinkCounter",
+    "read_tx_bytes",
+    "MemoryProbe",
+    "exact_rss",
+    "rss_mb",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +61,13 @@ class PhaseProbe:
 
 
 def copy_probe(nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of a copy into a fresh tensor of ``nbytes``, every rank at once.
+    """Median seconds of a copy into a new tensor of ``nbytes``, every rank at once.
 
     That is what a sync's launch does per rank (snapshot and payload of its shard): the cost
-    model charges these copies at a device's copy speed, and on a CPU host that speed
-    includes the page faults of fresh memory (a copy into reused memory was ~5x faster here)
-    and whatever the other ranks take of the cores. Collective.
+    model charges these copies at a device's copy speed. The timing pass keeps freed memory
+    (:func:`cached_host_memory`), as hiersync's buffer pool reuses its buffers, so this is a
+    copy into reused memory, slowed by whatever the other ranks take of the cores (into fresh
+    memory it was 5-30x slower here, page faults included). Collective.
     """
     import torch
     import torch.distributed as dist
@@ -127,6 +139,32 @@ def rss_mb() -> float | None:
     """This process's resident memory now (Linux), to see that runs free what they built."""
     kb = _status_kb("VmRSS")
     return None if kb is None else kb * 1024 / 1e6
+
+
+def cached_host_memory(reserve_mb: int = 1024) -> bool:
+    """Keep freed host memory in the process, as a device's caching allocator keeps device memory.
+
+    The timing pass's setting (:func:`exact_rss` is the memory pass's). With glibc's defaults a
+    freed block of tens of MB may go back to the kernel and be faulted in again when the next
+    gradient or buffer is allocated. Here (a VM) such a fault costs 1-40 us per 4 KiB page: one
+    25 MB gradient took 7-260 ms of the backward instead of 0.4 ms, at random, more often in rows
+    that allocate more, a noise that a GPU's gradients (caching allocator) do not have. Blocks up
+    to 32 MiB (glibc's largest mmap threshold) come from the heap, the heap is never trimmed, and
+    ``reserve_mb`` of it is faulted in at the start. False where glibc's mallopt is missing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    ok = libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+    if not (ok and libc.mallopt(-1, 2**31 - 1)):  # M_TRIM_THRESHOLD
+        return False
+    import torch
+
+    # Touch the heap the run will allocate from, once, as a device allocator reserves its pool.
+    blocks = [torch.zeros(30 * 2**18) for _ in range(reserve_mb // 30)]  # 30 MiB each
+    del blocks
+    return True
 
 
 def exact_rss() -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "attributed_steps",
     "memory_steps",
     "BURN_STEPS",
+    "BURN_SECONDS",
     "PERIODIC",
     "parse_compute",
     "NEVER",
@@ -317,7 +318,10 @@ PERIODIC = ("hiersync", "postlocal", "torchft", "fsdp_hiersync")
 """The kinds whose rows sync across nodes every k steps."""
 
 BURN_STEPS = 1
-"""Untimed free-running steps between the attributed and the timed ones (bench_worker)."""
+"""Untimed free-running steps between the attributed and the timed ones, at least (bench_steps)."""
+
+BURN_SECONDS = 2.0
+"""... and at least this long (at the attributed steps' pace): the first free-running seconds are noisy."""
 
 
 def attributed_steps(spec: ScheduleSpec) -> int:

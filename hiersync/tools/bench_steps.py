@@ -20,7 +20,7 @@ from hiersync.vocab import Level
 
 from .bench_compute import SLEPT, build_model
 from .bench_probes import LinkCounter, PhaseProbe
-from .bench_spec import BURN_STEPS, ScheduleSpec, attributed_steps, run_steps, timed_steps
+from .bench_spec import BURN_SECONDS, BURN_STEPS, ScheduleSpec, attributed_steps, run_steps, timed_steps
 
 __all__ = ["Where", "Method", "fresh_model", "base_record", "train", "teardown"]
 
@@ -127,6 +127,20 @@ def _timed_count(spec: ScheduleSpec, steps: int, attributed: list[dict[str, floa
     return int(want)
 
 
+def _burn_count(attributed: list[dict[str, float]], seconds: float) -> int:
+    """Untimed free-running steps before the timed ones: ``BURN_STEPS``, or more lasting ``seconds``.
+
+    At the attributed steps' pace, decided by rank 0 (every rank burns the same steps).
+    """
+    import torch
+    import torch.distributed as dist
+
+    pace = max(1e-3, statistics.fmean(a["total"] for a in attributed))
+    want = torch.tensor([max(BURN_STEPS, math.ceil(seconds / pace))])
+    dist.broadcast(want, src=0)
+    return int(want)
+
+
 def train(
     config: dict,
     spec: ScheduleSpec,
@@ -212,10 +226,12 @@ def train(
     method.drain()
     dist.barrier()
     tx_attributed = link.read() - tx_begin if link is not None else 0
-    # The first free-running step after the barriered ones was 40-130 ms slower than the rest in
-    # every row of 40-step runs (the ranks leave the barrier together and contend): burn it.
+    # The first free-running steps after the barriered ones and the drain are slower than the
+    # rest (the ranks leave the barrier together and contend, a drained streaming pipeline
+    # refills, TCP windows reopen): 40-130 ms in the first step of every row of 40-step runs,
+    # and up to 2-3 s of outliers in 24-step runs of the streaming and intra_only rows. Burn them.
     burn0 = state.stats.as_dict() if state is not None else None
-    for _ in range(BURN_STEPS):
+    for _ in range(_burn_count(attributed, float(config.get("burn_seconds", BURN_SECONDS)))):
         step(False)
     burn1 = state.stats.as_dict() if state is not None else None
     dist.barrier()
@@ -226,8 +242,9 @@ def train(
     inter_steps: list[float] = []
     link_steps: list[float] = []
     sent = state.stats.bytes_sent[Level.INTER.value] if state is not None else 0
+    phases = []
     for _ in range(steps):
-        step(False)
+        phases.append(step(False))
         ends.append(time.perf_counter())
         if link is not None:
             now_tx = link.read()
@@ -262,6 +279,8 @@ def train(
         "unsync_cpu_s": cpu,
         "accel_sleep_per_step": sleep_per_step,
         "unsync_step_ends": [e - t0 for e in ends],
+        # each timed step's phases on this rank, without barriers (they add up to its step)
+        "unsync_phases": phases,
         "bytes_sent_per_step": inter,
         # inter-node bytes this rank sent in each unsynchronized step: counted by hiersync,
         # modelled (ring_inter_bytes) for DDP, post-local SGD and the bf16 hook

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import bench_fsdp
-from .bench_probes import LinkCounter, MemoryProbe, PhaseProbe, copy_probe, exact_rss, rss_mb
+from .bench_probes import LinkCounter, MemoryProbe, PhaseProbe, cached_host_memory, copy_probe, exact_rss, rss_mb
 from .bench_spec import PERIODIC, ScheduleSpec, memory_steps, parse_schedule, run_steps
 from .bench_steps import Method, Where, base_record, fresh_model, teardown, train
 
@@ -74,6 +74,7 @@ def worker(config: dict) -> dict:
     import hiersync
 
     _fix_hook_annotations()
+    cached_host_memory()
     rank = dist.get_rank()
     topo = hiersync.Topology.detect()
     # Intra-node groups for PyTorch's post-local SGD (its default assumes one GPU per rank)
