@@ -867,7 +867,7 @@ def test_bench_fsdp_end_to_end_tiny(tmp_path, capsys):
     assert "| fsdp_hsdp |" in (out / "bench.md").read_text()
 
 
-def test_cached_host_memory_keeps_freed_blocks():
+def test_cached_host_memory_sets_glibc_thresholds():
     import ctypes
 
     from hiersync.tools import bench_probes

@@ -152,12 +152,7 @@ def cached_host_memory(reserve_mb: int = 1024) -> bool:
     to 32 MiB (glibc's largest mmap threshold) come from the heap, the heap is never trimmed, and
     ``reserve_mb`` of it is faulted in at the start. False where glibc's mallopt is missing.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    ok = libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
-    if not (ok and libc.mallopt(-1, 2**31 - 1)):  # M_TRIM_THRESHOLD
+    if not _mallopt(mmap_threshold=32 * 2**20, trim_threshold=2**31 - 1):
         return False
     import torch
 
@@ -174,13 +169,18 @@ def exact_rss() -> bool:
     tensors stay in the heap and peak RSS measures the allocator, not the program. Slower
     allocations from then on (fresh pages each time). False where glibc's mallopt is missing.
     """
+    return _mallopt(mmap_threshold=64 * 1024, trim_threshold=128 * 1024) is not None
+
+
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool | None:
+    """Set glibc's mmap threshold (fixed: no dynamic adjustment) and trim threshold: whether
+    glibc took both values, None where glibc is missing."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return False
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD, fixed: no dynamic adjustment
-    libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-    return True
+        return None
+    ok = libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+    return bool(libc.mallopt(-1, trim_threshold) and ok)  # M_TRIM_THRESHOLD
 
 
 class MemoryProbe:

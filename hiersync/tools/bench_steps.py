@@ -117,14 +117,8 @@ def _timed_count(spec: ScheduleSpec, steps: int, attributed: list[dict[str, floa
     +-10%), while a slow row (DDP's 2 s steps) is not timed for longer than it needs. Every
     rank times the number rank 0 decides.
     """
-    import torch
-    import torch.distributed as dist
-
-    pace = max(1e-3, statistics.fmean(a["total"] for a in attributed))
     window = timed_steps(spec, 1)
-    want = torch.tensor([max(steps, window * math.ceil(min_seconds / pace / window))])
-    dist.broadcast(want, src=0)
-    return int(want)
+    return _rank0_count(max(steps, window * math.ceil(min_seconds / _pace(attributed) / window)))
 
 
 def _burn_count(attributed: list[dict[str, float]], seconds: float) -> int:
@@ -132,11 +126,20 @@ def _burn_count(attributed: list[dict[str, float]], seconds: float) -> int:
 
     At the attributed steps' pace, decided by rank 0 (every rank burns the same steps).
     """
+    return _rank0_count(max(BURN_STEPS, math.ceil(seconds / _pace(attributed))))
+
+
+def _pace(attributed: list[dict[str, float]]) -> float:
+    """Seconds per attributed step (barriers included, so a little slow)."""
+    return max(1e-3, statistics.fmean(a["total"] for a in attributed))
+
+
+def _rank0_count(n: int) -> int:
+    """Rank 0's ``n`` on every rank (collective): every rank runs the same steps."""
     import torch
     import torch.distributed as dist
 
-    pace = max(1e-3, statistics.fmean(a["total"] for a in attributed))
-    want = torch.tensor([max(BURN_STEPS, math.ceil(seconds / pace))])
+    want = torch.tensor([n])
     dist.broadcast(want, src=0)
     return int(want)
 
