@@ -29,6 +29,7 @@ from hiersync.tools import (
     bench_probes,
     bench_rows,
     bench_spec,
+    bench_steps,
     bench_table,
     bench_worker,
     collbench,
@@ -308,6 +309,23 @@ def test_claims_within_one_compute_model():
     assert "p99 s" in table and "peak MB" in table and "extra MB" in table
     md = bench_table.format_table(rows, markdown=True)
     assert "| hiersync_p4_stream | cpu | not supported by this hiersync version |" in md
+
+
+def test_rows_of_a_near_even_claim_are_timed_longer():
+    # streaming vs its floor (1.05x) needs steady means; 0.9x, p99, bytes and torchft's fastest do not add rows
+    assert bench_claims.steady_rows() == {("hiersync_p4_stream", "accel"), ("intra_only", "accel")}
+    mine = [
+        bench_claims.Claim("a", ("cpu", "accel"), "x", "mean", "y", "mean", 0.97),
+        bench_claims.Claim("b", ("accel",), "x", "mean", "torchft_fastest", "mean", 1.0),
+        bench_claims.Claim("c", ("accel",), "z", "mean", "w", "mean", 0.9),
+        bench_claims.Claim("d", ("accel",), "z", "p99", "w", "p99", 1.0),
+    ]
+    assert bench_claims.steady_rows(mine) == {("x", "cpu"), ("y", "cpu"), ("x", "accel"), ("y", "accel")}
+    config = {"min_seconds": 4.0}
+    stream, ddp = bench_spec.parse_schedule("hiersync_p4_stream"), bench_spec.parse_schedule("ddp")
+    assert bench_steps._min_seconds(config, stream, "accel") == 4.0 * bench_spec.STEADY_FACTOR
+    assert bench_steps._min_seconds(config, stream, "cpu") == 4.0
+    assert bench_steps._min_seconds(config, ddp, "accel") == 4.0
 
 
 def _peer_rows():
@@ -879,4 +897,5 @@ def test_cached_host_memory_sets_glibc_thresholds():
     if not hasattr(libc, "mallopt"):
         pytest.skip("no mallopt here")
     assert bench_probes.cached_host_memory(reserve_mb=60) is True
+    assert 0 <= bench_probes.host_reserve_mb(4) <= 2048 and bench_probes.host_reserve_mb(10**9) == 0
     bench_probes.exact_rss()  # back to the memory pass's setting for the tests that follow

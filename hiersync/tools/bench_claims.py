@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from .bench_rows import row_key
 
-__all__ = ["Claim", "CLAIMS", "check_claims", "format_claims", "peer_ratios", "format_peer_ratios"]
+__all__ = [
+    "Claim",
+    "CLAIMS",
+    "check_claims",
+    "format_claims",
+    "peer_ratios",
+    "format_peer_ratios",
+    "steady_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,8 @@ class Claim:
 CLAIMS: tuple[Claim, ...] = (
     # Accelerator-like compute: a GPU host's CPU is idle while the device computes, so transfers
     # can hide behind compute; with real CPU compute the 2 cores of this box run both. Each row's
-    # mean is over at least --min-seconds of whole windows (8 steps of the k=4 rows by default).
+    # mean is over at least --min-seconds of whole windows (8 steps of the k=4 rows by default);
+    # the rows of a claim with a bound within 6% of 1x are timed STEADY_FACTOR times as long (steady_rows).
     Claim("streaming k=4 step <= 0.62x PyTorch post-local SGD k=4", ("accel",), "hiersync_p4_stream", "mean",
           "postlocal_k4", "mean", 0.62),
     Claim("streaming k=4 step <= 0.45x DDP", ("accel",), "hiersync_p4_stream", "mean", "ddp", "mean", 0.45),
@@ -76,6 +85,23 @@ _STAT = {
 _MB = ("bytes", "peak", "extra", "shard")
 _ONCE = ("extra",)
 """Statistics measured once per run (the memory pass), whatever the compute model: checked once."""
+
+
+def steady_rows(claims: Sequence[Claim] = CLAIMS, near: float = 0.06) -> frozenset[tuple[str, str]]:
+    """(schedule, compute model) of the rows whose mean step a claim compares with a bound within
+    ``near`` of 1x: two nearly equal means, which must each be steady to about 1% (a step here
+    scatters by +-5%, so 8 steps are not enough). References that are not one schedule
+    (torchft's fastest row) are left out.
+    """
+    out = set()
+    for c in claims:
+        if c.statistic != "mean" or abs(c.bound - 1.0) > near:
+            continue
+        for compute in c.computes:
+            out.add((c.schedule, compute))
+            if c.reference_statistic == "mean" and not c.reference.startswith("torchft_"):
+                out.add((c.reference, compute))
+    return frozenset(out)
 
 
 def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | None, str] | None:

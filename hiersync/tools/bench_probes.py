@@ -27,6 +27,7 @@ from typing import Any
 __all__ = [
     "PhaseProbe",
     "cached_host_memory",
+    "host_reserve_mb",
     "copy_probe",
     "LinkCounter",
     "read_tx_bytes",
@@ -141,7 +142,7 @@ def rss_mb() -> float | None:
     return None if kb is None else kb * 1024 / 1e6
 
 
-def cached_host_memory(reserve_mb: int = 1024) -> bool:
+def cached_host_memory(reserve_mb: int = 2048) -> bool:
     """Keep freed host memory in the process, as a device's caching allocator keeps device memory.
 
     The timing pass's setting (:func:`exact_rss` is the memory pass's). With glibc's defaults a
@@ -150,7 +151,10 @@ def cached_host_memory(reserve_mb: int = 1024) -> bool:
     25 MB gradient took 7-260 ms of the backward instead of 0.4 ms, at random, more often in rows
     that allocate more, a noise that a GPU's gradients (caching allocator) do not have. Blocks up
     to 32 MiB (glibc's largest mmap threshold) come from the heap, the heap is never trimmed, and
-    ``reserve_mb`` of it is faulted in at the start. False where glibc's mallopt is missing.
+    ``reserve_mb`` of it is faulted in at the start: the heap a whole sweep grows to, so that no
+    timed step touches a fresh page (the default MLP's rows reach 1.4-1.8 GB per rank, growing
+    as rows fragment the heap; a 1 GiB reserve still left 25 MB gradients faulting in the
+    streaming rows). False where glibc's mallopt is missing.
     """
     if not _mallopt(mmap_threshold=32 * 2**20, trim_threshold=2**31 - 1):
         return False
@@ -160,6 +164,22 @@ def cached_host_memory(reserve_mb: int = 1024) -> bool:
     blocks = [torch.zeros(30 * 2**18) for _ in range(reserve_mb // 30)]  # 30 MiB each
     del blocks
     return True
+
+
+def host_reserve_mb(ranks_here: int, most_mb: int = 2048) -> int:
+    """The heap each of ``ranks_here`` timing ranks faults in (:func:`cached_host_memory`):
+    ``most_mb``, or a fair share of half the machine's available memory where that is less."""
+    kb = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    kb = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    if kb is None:
+        return min(most_mb, 1024)
+    return max(0, min(most_mb, kb // 1024 // 2 // max(1, ranks_here)))
 
 
 def exact_rss() -> bool:

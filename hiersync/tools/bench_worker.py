@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import bench_fsdp
-from .bench_probes import LinkCounter, MemoryProbe, PhaseProbe, cached_host_memory, copy_probe, exact_rss, rss_mb
+from .bench_probes import (
+    LinkCounter,
+    MemoryProbe,
+    PhaseProbe,
+    cached_host_memory,
+    copy_probe,
+    exact_rss,
+    host_reserve_mb,
+    rss_mb,
+)
 from .bench_spec import PERIODIC, ScheduleSpec, memory_steps, parse_schedule, run_steps
 from .bench_steps import Method, Where, base_record, fresh_model, teardown, train
 
@@ -74,7 +83,8 @@ def worker(config: dict) -> dict:
     import hiersync
 
     _fix_hook_annotations()
-    cached_host_memory()
+    # every rank of the run may be on this machine (the testbed, loopback): share it
+    cached_host_memory(host_reserve_mb(dist.get_world_size()))
     rank = dist.get_rank()
     topo = hiersync.Topology.detect()
     # Intra-node groups for PyTorch's post-local SGD (its default assumes one GPU per rank)
