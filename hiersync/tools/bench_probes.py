@@ -150,13 +150,14 @@ def cached_host_memory(reserve_mb: int = 2048) -> bool:
     gradient or buffer is allocated. Here (a VM) such a fault costs 1-40 us per 4 KiB page: one
     25 MB gradient took 7-260 ms of the backward instead of 0.4 ms, at random, more often in rows
     that allocate more, a noise that a GPU's gradients (caching allocator) do not have. Blocks up
-    to 32 MiB (glibc's largest mmap threshold) come from the heap, the heap is never trimmed, and
-    ``reserve_mb`` of it is faulted in at the start: the heap a whole sweep grows to, so that no
-    timed step touches a fresh page (the default MLP's rows reach 1.4-1.8 GB per rank, growing
-    as rows fragment the heap; a 1 GiB reserve still left 25 MB gradients faulting in the
-    streaming rows). False where glibc's mallopt is missing.
+    to 32 MiB (glibc's largest mmap threshold) come from the heap, the heap is never trimmed (-1;
+    glibc's largest positive threshold, 2^31 - 1 bytes, is less than the heap here, which was then
+    handed back whole), and ``reserve_mb`` of it is faulted in at the start: the heap a whole
+    sweep grows to, so that no timed step touches a fresh page (the default MLP's rows grew a
+    rank's heap to 1.4-1.8 GB as rows fragment it; a 1 GiB reserve still left 25 MB gradients
+    faulting in the streaming rows). False where glibc's mallopt is missing.
     """
-    if not _mallopt(mmap_threshold=32 * 2**20, trim_threshold=2**31 - 1):
+    if not _mallopt(mmap_threshold=32 * 2**20, trim_threshold=-1):  # -1: never trim
         return False
     import torch
 
