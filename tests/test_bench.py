@@ -897,5 +897,6 @@ def test_cached_host_memory_sets_glibc_thresholds():
     if not hasattr(libc, "mallopt"):
         pytest.skip("no mallopt here")
     assert bench_probes.cached_host_memory(reserve_mb=60) is True
-    assert 0 <= bench_probes.host_reserve_mb(4) <= 2048 and bench_probes.host_reserve_mb(10**9) == 0
+    assert 0 <= bench_probes.host_reserve_mb(4, 100.0) <= 2048 and bench_probes.host_reserve_mb(10**9, 100.0) == 0
+    assert bench_probes.host_reserve_mb(1, 0.1) == 3  # a tiny model: a tiny reserve
     bench_probes.exact_rss()  # back to the memory pass's setting for the tests that follow

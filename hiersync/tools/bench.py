@@ -47,14 +47,14 @@ streaming rows to each torchft row. Then the cost model's prediction of each row
 time, given the run's own measured compute, beside the measurement (:mod:`.bench_model`;
 ``--profile`` picks the link profile).
 
-The default runs in about three minutes on a 2-core machine: the emulated 2x2 cluster
+The default runs in about four minutes on a 2-core machine: the emulated 2x2 cluster
 (800 Mbit/s between nodes), a 25M-parameter MLP (100 MB of fp32 gradients), 25 MB
 buckets, both compute models and the schedules the claims name. ``--peers torchft`` adds
 torchft's rows (pip install 'hiersync[peers]'); ``--full`` sweeps everything.
 
 Example::
 
-    $ sudo python -m hiersync bench                       # default comparison, ~3 min
+    $ sudo python -m hiersync bench                       # default comparison, ~4 min
     $ sudo python -m hiersync bench --peers torchft       # with torchft's rows beside hiersync's
     $ sudo python -m hiersync bench --fsdp --results results/fsdp  # FSDP2 HSDP vs hiersync over FSDP2
     $ sudo python -m hiersync bench --full --results results/full

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
 import os
 import statistics
 import time
@@ -167,9 +168,11 @@ def cached_host_memory(reserve_mb: int = 2048) -> bool:
     return True
 
 
-def host_reserve_mb(ranks_here: int, most_mb: int = 2048) -> int:
+def host_reserve_mb(ranks_here: int, model_mb: float, most_mb: int = 2048) -> int:
     """The heap each of ``ranks_here`` timing ranks faults in (:func:`cached_host_memory`):
-    ``most_mb``, or a fair share of half the machine's available memory where that is less."""
+    24x the model's fp32 megabytes (a rank's heap grew to ~15x over the default sweep), at most
+    ``most_mb``, and at most a fair share of half the machine's available memory."""
+    want = min(most_mb, math.ceil(24 * model_mb))
     kb = None
     try:
         with open("/proc/meminfo") as f:
@@ -179,8 +182,8 @@ def host_reserve_mb(ranks_here: int, most_mb: int = 2048) -> int:
     except (OSError, ValueError, IndexError):
         pass
     if kb is None:
-        return min(most_mb, 1024)
-    return max(0, min(most_mb, kb // 1024 // 2 // max(1, ranks_here)))
+        return min(want, 1024)
+    return max(0, min(want, kb // 1024 // 2 // max(1, ranks_here)))
 
 
 def exact_rss() -> bool:

@@ -84,7 +84,7 @@ def worker(config: dict) -> dict:
 
     _fix_hook_annotations()
     # every rank of the run may be on this machine (the testbed, loopback): share it
-    cached_host_memory(host_reserve_mb(dist.get_world_size()))
+    cached_host_memory(host_reserve_mb(dist.get_world_size(), 4 * float(config.get("mlp_params", 25e6)) / 2**20))
     rank = dist.get_rank()
     topo = hiersync.Topology.detect()
     # Intra-node groups for PyTorch's post-local SGD (its default assumes one GPU per rank)
