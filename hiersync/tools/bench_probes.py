@@ -126,9 +126,10 @@ class LinkCounter:
         return read_tx_bytes(self.ifname)
 
 
-def _status_kb(field: str) -> int | None:
+def _status_kb(field: str, path: str = "/proc/self/status") -> int | None:
+    """A ``field:`` line's kB in a /proc file (None off Linux)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -173,17 +174,8 @@ def host_reserve_mb(ranks_here: int, model_mb: float, most_mb: int = 2048) -> in
     24x the model's fp32 megabytes (a rank's heap grew to ~15x over the default sweep), at most
     ``most_mb``, and at most a fair share of half the machine's available memory."""
     want = min(most_mb, math.ceil(24 * model_mb))
-    kb = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    kb = int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    if kb is None:
-        return min(want, 1024)
-    return max(0, min(want, kb // 1024 // 2 // max(1, ranks_here)))
+    kb = _status_kb("MemAvailable", "/proc/meminfo")
+    return want if kb is None else max(0, min(want, kb // 1024 // 2 // max(1, ranks_here)))
 
 
 def exact_rss() -> bool:
