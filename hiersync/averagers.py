@@ -276,12 +276,14 @@ class RailAverager:
         """
         codec = self.codec
         assert codec is not None and c.anchor is not None
-        N = self.comm.rail_nodes()
+        N, divisor = self.comm.rail_nodes(), self.comm.rail_divisor()
         padded = codec.padded(c.s, N)
         e = torch.zeros(padded, dtype=torch.float32, device=x.device)
-        torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
         feedback = self.feedback
-        if feedback:
+        contributes = self.comm.contributes()  # False: healed in this window's quorum, it sends zeros
+        if contributes:
+            torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
+        if feedback and contributes:  # a node that sends zeros leaves its residual as it is
             packed, left = ErrorFeedback(codec, N).encode(e, self._maybe_here(c.residual, x.device))
             c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self._store)
         else:
@@ -291,7 +293,7 @@ class RailAverager:
 
         def reduce(received: torch.Tensor) -> torch.Tensor:
             # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
-            mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / N
+            mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / divisor
             assert isinstance(mean, torch.Tensor)
             if not feedback:
                 return codec.encode(mean)

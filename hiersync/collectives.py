@@ -92,8 +92,17 @@ class HierComm:
         """Nodes that take part in a rail collective: the topology's (torchft's rail: the quorum's)."""
         return self.rail.nodes() if self.rail.across_nodes else 1
 
+    def rail_divisor(self) -> int:
+        """Nodes whose values a rail average is taken over: :meth:`rail_nodes`, less the nodes
+        healed in torchft's quorum for a window that averages state (they send zeros)."""
+        return self.rail.contributors() if self.rail.across_nodes else 1
+
+    def contributes(self) -> bool:
+        """Whether this node's values enter the current rail average (False: it sends zeros)."""
+        return self.rail.contributes() if self.rail.across_nodes else True
+
     def rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
-        """Sum ``tensor`` in place over this rank's rail (callers divide by :meth:`rail_nodes`)."""
+        """Sum ``tensor`` in place over this rank's rail (callers divide by :meth:`rail_divisor`)."""
         return self.rail.allreduce(tensor, what)
 
     def _sequenced_rail_allreduce(self, tensor: torch.Tensor, what: str) -> torch.futures.Future:
@@ -126,7 +135,7 @@ class HierComm:
 
     def _flat(self, tensor: torch.Tensor, group, level: str, what: str, rail: bool = False) -> torch.futures.Future:
         size = self.rail_nodes() if rail else dist.get_world_size(group)
-        tensor.div_(size)
+        tensor.div_(self.rail_divisor() if rail else size)
         self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
             if rail:
@@ -148,7 +157,7 @@ class HierComm:
             flat = torch.zeros(shard_len * L, dtype=tensor.dtype, device=tensor.device)
             flat[:n].copy_(tensor)
         N = self.rail_nodes()
-        flat.div_(L * N)
+        flat.div_(L * self.rail_divisor())
         esize = tensor.element_size()
         lo = g.local_rank * shard_len
         if self.intra_algorithm == "rs_ag":
@@ -337,7 +346,7 @@ class HierComm:
             return completed(shard, shard.device)
         if not self.topology.even:
             raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
-        shard.div_(N)
+        shard.div_(self.rail_divisor())
         phase = self._phase("inter parameter all-reduce on the rail")
         self.stats.record(INTER, "all_reduce", N, shard.numel() * shard.element_size())
         try:

@@ -18,11 +18,15 @@ node loss"):
   skips its update. Survivors never raise;
 * a node that joins (a replacement, or the dead node restarted by its torchrun) is healed
   in its first quorum: it receives the parameters and optimizer state the user registered
-  with the Manager and hiersync's state (step, anchors, outer momentum, residuals) from a
-  live peer (on a sharded node, each rank from the peer rank that holds the same shard),
-  and resumes at that peer's place in the schedule. The corrections its peer still has in
-  flight belong to the peer's own parameters; the joiner holds the peer's parameters and
-  its next sync of each fragment brings it to the common average. A node that asks for its
+  with the Manager and hiersync's state (step, anchors, outer momentum) from a live peer
+  (on a sharded node, each rank from the peer rank that holds the same shard), and
+  resumes at that peer's place in the schedule. In the window it was healed in it brings
+  no state of its own: it sends zeros, every average of that window is divided by the
+  nodes that were not healed in it (the survivors' result is their own average), and it
+  receives that average like them. Its error-feedback residuals start at zero (the peer's
+  are the peer's debt). The corrections its peer still has in flight belong to the peer's
+  own parameters; the joiner holds the peer's parameters and its next sync of each
+  fragment brings it to the common average. A node that asks for its
   first quorum after every other node of the run has stopped (the survivors finished) has
   nobody to heal from: it is alone in that quorum, trains from its own state, and says so.
 
@@ -185,7 +189,11 @@ class ManagerMode(SyncState):
         self.rail.quorum(marker)  # may call _load_from_peer
         if self.groups.node_size > 1:
             self._make_node_consistent()
-        window = self.rail.open(self._marker, self._model_device())
+        # A node healed here holds a copy of a peer: in a window that averages state it adds nothing
+        # (the survivors' result is their own average). An exact step's gradients are computed after
+        # the heal, on the common parameters: they count, as a new replica's would in DDP.
+        contributes = not self._healed or self._marker.kind == "exact"
+        window = self.rail.open(self._marker, self._model_device(), contributes)
         self.stats.quorum_id = window.quorum_id  # type: ignore[attr-defined]
         return window
 
@@ -220,6 +228,7 @@ class ManagerMode(SyncState):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.intra)
         if flag.item() == 0:
             return
+        self._healed = True  # the whole node is a copy now
         src = self.topology.node_ranks(self.rank)[0]
         model, opt = self._model, self._optimizer if self._REPLICATED else None
         if model is not None and self._REPLICATED:
@@ -253,7 +262,7 @@ class ManagerMode(SyncState):
             )
         self.engine.in_flight = []  # they belonged to the parameters torchft just replaced
         try:
-            state_io.load(self, peer["state"])
+            state_io.load(self, _without_residuals(peer["state"]))
         except ValueError as e:
             raise HierSyncError(f"hiersync: cannot take the state of a live peer: {e}") from e
         self._marker = Marker.from_dict(peer["marker"])
@@ -391,6 +400,16 @@ def register_with_manager(
     state._bind(manager, rail)
     state.join(start_nodes)
     return state
+
+
+def _without_residuals(saved: Any) -> Any:
+    """``saved`` with every error-feedback residual left out: what a peer's codes still owe is the
+    peer's own debt, which a copy of it must not send a second time (the copy starts at zero)."""
+    if isinstance(saved, dict):
+        return {k: None if k in ("residual", "reduced_residual") else _without_residuals(v) for k, v in saved.items()}
+    if isinstance(saved, list):
+        return [_without_residuals(v) for v in saved]
+    return saved
 
 
 def _check_manager(manager: Any) -> None:

@@ -102,7 +102,12 @@ class Window:
     marker: Marker
     quorum_id: int
     participants: int
-    """Nodes taking part: the divisor of every average in this window."""
+    """Nodes taking part: the size of every rail collective in this window."""
+    contributors: int = 0
+    """Nodes that bring their own state: the divisor of every average in this window (a node
+    healed in the window's quorum sends zeros and receives the others' average)."""
+    contributes: bool = True
+    """Whether this node's values enter the window's averages."""
     error: str | None = None
     """The first failure of one of its rail collectives, if any."""
     committed: bool | None = None
@@ -135,6 +140,14 @@ class Transport(Protocol):
 
     def nodes(self) -> int:
         """Nodes taking part in the current window's collectives."""
+        ...
+
+    def contributors(self) -> int:
+        """Nodes whose values the current window's averages are taken over (their divisor)."""
+        ...
+
+    def contributes(self) -> bool:
+        """Whether this node's values enter the current window's averages (else it sends zeros)."""
         ...
 
     def describe(self, ranks: list[int]) -> str:
@@ -181,6 +194,12 @@ class GroupRail:
     def nodes(self) -> int:
         return self._nodes
 
+    def contributors(self) -> int:
+        return self._nodes
+
+    def contributes(self) -> bool:
+        return True
+
     def describe(self, ranks: list[int]) -> str:
         return f"rail ranks {ranks}"
 
@@ -195,7 +214,7 @@ class GroupRail:
 
     def open(self, marker: Marker, device: torch.device) -> Window:
         self._count += 1
-        return Window(self._count - 1, marker, quorum_id=-1, participants=self._nodes, committed=True)
+        return Window(self._count - 1, marker, -1, self._nodes, self._nodes, committed=True)
 
     def decide(self, window: Window) -> bool:
         return True
@@ -228,6 +247,14 @@ class TorchftRail:
     def nodes(self) -> int:
         assert self.window is not None, "a rail collective outside a window"
         return self.window.participants
+
+    def contributors(self) -> int:
+        assert self.window is not None, "a rail collective outside a window"
+        return self.window.contributors
+
+    def contributes(self) -> bool:
+        assert self.window is not None, "a rail collective outside a window"
+        return self.window.contributes
 
     def describe(self, ranks: list[int]) -> str:
         w = self.window
@@ -264,6 +291,8 @@ class TorchftRail:
 
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type it as RedOpType
+        if not self.contributes():  # a node healed in this window's quorum adds nothing to its sums
+            tensor.zero_()
         return self._issue(lambda t: self._pg().allreduce([t], opts), tensor, what=what)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
@@ -296,14 +325,24 @@ class TorchftRail:
                 "between two syncs?"
             ) from e
 
-    def open(self, marker: Marker, device: torch.device) -> Window:
-        """The window of the quorum just held (:meth:`quorum`); its members wait for each other once."""
+    def open(self, marker: Marker, device: torch.device, contributes: bool = True) -> Window:
+        """The window of the quorum just held (:meth:`quorum`); its members wait for each other once.
+
+        ``contributes``: False on a node healed in this quorum for a window that averages
+        state (a sync, ``synchronize()``): it brings no state of its own, so its values are
+        zeros and every average of the window is divided by the nodes that do contribute.
+        """
         manager = self.manager
-        window = self._new(marker, int(getattr(manager, "_quorum_id", -1)), max(1, int(manager.num_participants())))
+        participants = max(1, int(manager.num_participants()))
+        window = self._new(marker, int(getattr(manager, "_quorum_id", -1)), participants)
         self._log_members(window)
         # Holds every member until a joiner healed in this quorum has its copy (torchft serves
-        # the live tensors of a CPU model until the next should_commit).
-        wait(self.allreduce(torch.ones(1, device=device), "the rail barrier after the quorum"))
+        # the live tensors of a CPU model until the next should_commit), and counts who contributes.
+        count = torch.tensor([1.0, 1.0 if contributes else 0.0], device=device)
+        wait(self.allreduce(count, "the rail barrier after the quorum"))
+        window.contributes = contributes
+        # Every node healed in this quorum took its state from one that was not: at least one contributes.
+        window.contributors = max(1, round(float(count[1])))
         return window
 
     def reuse(self, marker: Marker) -> Window:
@@ -313,7 +352,7 @@ class TorchftRail:
         return self._new(marker, last.quorum_id if last else -1, last.participants if last else 1)
 
     def _new(self, marker: Marker, quorum_id: int, participants: int) -> Window:
-        window = Window(self._count, marker, quorum_id, participants)
+        window = Window(self._count, marker, quorum_id, participants, participants)
         self._count += 1
         self.undecided.append(window)
         self.window = window

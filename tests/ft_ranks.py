@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
-from hiersync.schedule import Schedule
+from hiersync.schedule import Schedule, fragment_layout
 from hiersync.tools import ft_nodes
 
 DIM_IN, DIM_HID, DIM_OUT = 4, 8, 2
@@ -32,10 +32,11 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM_IN, DIM_HID), nn.Tanh(), nn.Linear(DIM_HID, DIM_OUT))
 
 
-def batch(node: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(node: int, rank: int, step: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shift``: even nodes' targets move up by it, odd nodes' down (the nodes drift apart)."""
     g = torch.Generator().manual_seed(1_000_003 * node + 1009 * rank + step)
     x = torch.randn(8, DIM_IN, generator=g)
-    return x, torch.sin(x[:, :DIM_OUT] * 2)
+    return x, torch.sin(x[:, :DIM_OUT] * 2) + (shift if node % 2 == 0 else -shift)
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -160,7 +161,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         hold = cfg.get("hold")
         if hold and s == hold["step"]:
             _wait_for(hold["path"], "the restarted node")
-        x, y = batch(node, rank, s)
+        x, y = batch(node, rank, s, cfg.get("shift", 0.0))
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
@@ -222,21 +223,40 @@ def _signal_on_next_sync(state: Any, after_step: int, sig: int) -> None:
 
 
 def reference(
-    cfg: dict[str, Any], nodes: int, ranks: int, members: Any, dropped: set[int] = frozenset()
+    cfg: dict[str, Any],
+    nodes: int,
+    ranks: int,
+    members: Any,
+    dropped: set[int] = frozenset(),
+    heals: dict[int, tuple[int, int]] | None = None,
 ) -> dict[int, dict[int, torch.Tensor]]:
     """Local SGD of ``nodes`` replicas on the same data as :func:`train` (SGD, plain averages).
 
     ``members(step)``: the nodes alive at ``step`` and in the quorum of the sync after it;
-    syncs after the steps in ``dropped`` are launched but never applied. Returns each
-    node's parameters after each of its steps (what :func:`train` records), blocking or
-    overlapped (``overlap`` steps later) syncs of the whole model, with ``outer_lr`` (and
-    ``outer_momentum``) DiLoCo's outer step; a dropped sync leaves anchor and momentum alone.
+    syncs after the steps in ``dropped`` are launched but never applied. ``heals``: ``{node:
+    (step, source)}``, a node that joins in the quorum of the sync after ``step`` (it is in
+    ``members`` from ``step + 1`` on): it brings nothing to that sync, whose average is the
+    other members' own, and leaves it a copy of ``source`` (with ``source``'s correction of
+    it in flight, when overlapped). Returns each node's parameters after each of its steps
+    (what :func:`train` records), blocking or overlapped (``overlap`` steps later) syncs of
+    the whole model or, streaming (``fragments``), of each fragment on its own step, with
+    ``outer_lr`` (and ``outer_momentum``) DiLoCo's outer step; a dropped sync leaves anchor
+    and momentum alone.
     """
     opts = cfg.get("options", {})
-    sched = Schedule(period=opts.get("period", 1), warmup_steps=opts.get("warmup_steps", 0))
+    F = opts.get("fragments", 1)
+    sched = Schedule(period=opts.get("period", 1), warmup_steps=opts.get("warmup_steps", 0), fragments=F)
     tau = int(opts.get("overlap", 0))
     lr = cfg.get("lr", 0.1)
     models = {n: tiny_model() for n in range(nodes)}
+    sizes = [p.numel() for p in models[0].parameters()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    masks = []  # flat positions of each fragment's parameters (hiersync.schedule.fragment_layout)
+    for frag in fragment_layout([4 * n for n in sizes], F):
+        mask = torch.zeros(sum(sizes), dtype=torch.bool)
+        for i in frag:
+            mask[starts[i] : starts[i] + sizes[i]] = True
+        masks.append(mask)
     outer_lr, mu = opts.get("outer_lr"), opts.get("outer_momentum", 0.0)
     anchor = flat(models[0])  # captured on the first step (no warmup here)
     momentum = torch.zeros_like(anchor)
@@ -249,7 +269,7 @@ def reference(
             grads = None
             for r in range(ranks):
                 m.zero_grad()
-                x, y = batch(n, r, s)
+                x, y = batch(n, r, s, cfg.get("shift", 0.0))
                 nn.functional.mse_loss(m(x), y).backward()
                 g = [p.grad.detach().clone() / ranks for p in m.parameters()]
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
@@ -261,19 +281,30 @@ def reference(
                 if n in alive:
                     _add(models[n], c)
         pending = [p for p in pending if p[0] > s + 1]
-        if sched.kind(s) == "sync" and s not in dropped:
+        due = sched.fragments_due(s) if F > 1 else ((0,) if sched.kind(s) == "sync" else ())
+        joiners = {n: src for n, (at, src) in (heals or {}).items() if at == s}
+        if due and s not in dropped:
+            mask = torch.stack([masks[f] for f in due]).any(0)
             snaps = {n: flat(models[n]) for n in alive}
-            target = torch.stack([snaps[n] for n in alive]).mean(0)
+            target = torch.stack([snaps[n] for n in alive]).mean(0)  # the joiners bring nothing
             if outer_lr is not None:  # DiLoCo's outer Nesterov step from the common anchor
                 g = anchor - target
-                momentum = mu * momentum + g
-                target = anchor - outer_lr * (g + mu * momentum)
-                anchor = target.clone()
+                m_new = mu * momentum + g
+                target = anchor - outer_lr * (g + mu * m_new)
+                momentum = torch.where(mask, m_new, momentum)
+                anchor = torch.where(mask, target, anchor)
+            for n, src in joiners.items():
+                _set(models[n], flat(models[src]))
+                snaps[n] = snaps[src]
             if tau == 0:
-                for n in alive:
-                    _set(models[n], target)
+                for n in list(alive) + list(joiners):
+                    _set(models[n], torch.where(mask, target, snaps[n]))
             else:
-                pending.append((s + 1 + tau, {n: target - snaps[n] for n in alive}))
+                corr = {n: torch.where(mask, target - snaps[n], 0.0) for n in list(alive) + list(joiners)}
+                pending.append((s + 1 + tau, corr))
+        else:
+            for n, src in joiners.items():
+                _set(models[n], flat(models[src]))
         for n in alive:
             out[n][s] = flat(models[n])
     return out
