@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hiersync.tools.ft_testbed",
         "torchft manager mode: kill (and restart) a node of a running job, print every node's loss curve",
     ),
+    "chaos": (
+        "hiersync.tools.chaos",
+        "torchft manager mode on many emulated nodes, a fault every few seconds: goodput and invariants",
+    ),
     "check": (
         "hiersync.tools.check",
         "day-one cluster check under torchrun: topology, parity with DDP, bandwidth, memory, profile",

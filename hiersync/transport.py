@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +40,10 @@ from .issuing import all_gather, issue
 __all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "import_torchft"]
 
 logger = logging.getLogger(__name__)
+
+QUORUM_ATTEMPT_S = 10.0
+"""The longest one request for a torchft quorum waits before it is asked again (within the
+Manager's ``quorum_timeout``)."""
 
 
 def import_torchft() -> Any:
@@ -314,16 +320,37 @@ class TorchftRail:
     def quorum(self, marker: Marker) -> None:
         """Decide every open window, then hold torchft's quorum for ``marker`` (may heal this node)."""
         self.settle()
-        try:
-            self.manager.start_quorum()
-        except Exception as e:
-            address = os.environ.get("TORCHFT_LIGHTHOUSE", "the lighthouse_addr= given to torchft.Manager")
-            raise HierSyncError(
-                f"hiersync: torchft could not form a quorum for {marker.describe()}: {type(e).__name__}: "
-                f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}. Is the Lighthouse ({address}) running "
-                "and reachable from every node, and does the Manager's quorum_timeout cover the slowest node's time "
-                "between two syncs?"
-            ) from e
+        limit = getattr(self.manager, "_quorum_timeout", None)
+        total = limit.total_seconds() if limit is not None else 60.0
+        deadline = time.monotonic() + total
+        while True:
+            # In attempts of QUORUM_ATTEMPT_S: a request in flight when the Lighthouse dies is never
+            # answered, so a Lighthouse restarted at the same address is reached by asking again.
+            left = deadline - time.monotonic()
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=max(0.1, min(QUORUM_ATTEMPT_S, left))))
+                return
+            except Exception as err:  # the Lighthouse is gone or slow: torchft's error, kept for the message
+                e = err
+            if time.monotonic() + 0.5 >= deadline:
+                break
+            if self.log:
+                logger.warning(
+                    "hiersync: torchft's quorum for %s failed (%s: %s); asking again (for up to %.0f s more)",
+                    marker.describe(),
+                    type(e).__name__,
+                    str(e).strip().splitlines()[-1][:200] if str(e).strip() else "",
+                    deadline - time.monotonic(),
+                )
+            self.manager._quorum_future = None  # torchft re-raises a failed quorum at the next start_quorum
+            time.sleep(0.5)
+        address = os.environ.get("TORCHFT_LIGHTHOUSE", "the lighthouse_addr= given to torchft.Manager")
+        raise HierSyncError(
+            f"hiersync: torchft could not form a quorum for {marker.describe()}: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}. Is the Lighthouse ({address}) running "
+            "and reachable from every node, and does the Manager's quorum_timeout cover the slowest node's time "
+            "between two syncs?"
+        ) from e
 
     def open(self, marker: Marker, device: torch.device, contributes: bool = True) -> Window:
         """The window of the quorum just held (:meth:`quorum`); its members wait for each other once.

@@ -40,6 +40,10 @@ __all__ = ["Lighthouse", "Nodes", "NodeFailed", "manager", "progress", "node_ind
 
 ENV_NODE = "HIERSYNC_FT_NODE"
 ENV_PROGRESS = "HIERSYNC_FT_PROGRESS"
+ENV_GID = "HIERSYNC_FT_GID"
+GID_BASE = 47000
+"""With ``Nodes(group_ids=True)`` the ranks of node ``n`` run with group id ``GID_BASE + n`` (root
+only), from before their first socket: a firewall rule on that group cuts the node off."""
 
 
 class NodeFailed(RuntimeError):
@@ -64,18 +68,35 @@ class Lighthouse:
         from ..transport import import_torchft
 
         import_torchft()
-        from torchft._torchft import LighthouseServer
-
-        self._server: Any = LighthouseServer(
-            bind="[::]:0",
+        self._options = dict(
             min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms,
             quorum_tick_ms=quorum_tick_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
-        port = self._server.address().rsplit(":", 1)[1]
-        self.address = f"http://127.0.0.1:{port}"
+        self._server: Any = self._serve(0)
+        self.port = int(self._server.address().rsplit(":", 1)[1])
+        self.address = f"http://127.0.0.1:{self.port}"
         """Where the nodes reach it (``TORCHFT_LIGHTHOUSE``)."""
+
+    def _serve(self, port: int) -> Any:
+        from torchft._torchft import LighthouseServer
+
+        return LighthouseServer(bind=f"[::]:{port}", **self._options)
+
+    def restart(self) -> None:
+        """Start it again at the same address (after :meth:`shutdown`, or a crash), with no memory of
+        the quorums before: what a Lighthouse restarted by its supervisor is."""
+        self.shutdown()
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                self._server = self._serve(self.port)
+                return
+            except Exception:  # the port is still held by the old server's sockets
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def shutdown(self) -> None:
         if self._server is not None:
@@ -140,6 +161,8 @@ def progress(step: int, **fields: Any) -> None:
 def _rank_main(
     fn: Callable, node: int, rank: int, nproc: int, folder: str, env: dict, args: tuple, pg_timeout: float
 ) -> None:
+    if env.get(ENV_GID):
+        os.setgid(int(env[ENV_GID]))  # every socket of this rank is owned by its node's group
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank)})
     os.environ.update({"LOCAL_WORLD_SIZE": str(nproc), ENV_NODE: str(node), "GLOO_SOCKET_IFNAME": "lo"})
@@ -185,8 +208,18 @@ class Nodes:
     """Emulated nodes of ``procs_per_node`` ranks each, talking to the Lighthouse at ``lighthouse``."""
 
     def __init__(
-        self, lighthouse: str, procs_per_node: int = 1, *, pg_timeout: float = 60.0, env: dict | None = None
+        self,
+        lighthouse: str,
+        procs_per_node: int = 1,
+        *,
+        pg_timeout: float = 60.0,
+        env: dict | None = None,
+        group_ids: bool = False,
     ) -> None:
+        """``group_ids``: run node ``n``'s ranks with group id ``GID_BASE + n`` (root only)."""
+        if group_ids and os.geteuid() != 0:
+            raise PermissionError("Nodes(group_ids=True) needs root (it sets each node's group id)")
+        self.group_ids = group_ids
         self.lighthouse = lighthouse
         self.procs_per_node = procs_per_node
         self.pg_timeout = pg_timeout
@@ -207,6 +240,8 @@ class Nodes:
         rec = _Node(node, folder, progress=os.path.join(self.root, f"node{node}.progress"))
         env = {"TORCHFT_LIGHTHOUSE": self.lighthouse, ENV_PROGRESS: rec.progress, "RUST_LOG": "error", **self.env}
         env.setdefault("HIERSYNC_EMULATE_NCCL", os.environ.get("HIERSYNC_EMULATE_NCCL", ""))
+        if self.group_ids:
+            env[ENV_GID] = str(GID_BASE + node)
         ctx = forkserver_context()
         for rank in range(self.procs_per_node):
             p = ctx.Process(

@@ -1,0 +1,663 @@
+"""``python -m hiersync chaos``: many emulated nodes, a fault every few seconds, goodput and invariants.
+
+Runs the manager mode (:mod:`hiersync.ft`) on ``--nodes`` emulated torchft nodes on this
+machine (:mod:`hiersync.tools.ft_nodes`: one world per node, a Lighthouse in this
+process), each training :mod:`hiersync.tools.chaos_worker` with accelerator-like compute,
+twice: once without faults (the reference), once with a fault every ``--fault-every``
+seconds, its kind and victim drawn from ``--seed``:
+
+* ``kill``: SIGKILL every rank of a node; it is started again ``--restart-after`` s later
+  (a fresh process with its own fresh model, as its torchrun would);
+* ``kill-rank``: SIGKILL one rank of a node of several ranks; the node's other ranks are
+  killed a moment later, as torchrun's agent does, and the node restarted;
+* ``freeze``: SIGSTOP every rank of a node for three heartbeat timeouts, then SIGCONT: the
+  Lighthouse drops it, and the thawed node is healed at its next quorum (never syncs
+  its stale state);
+* ``kill-source``: a node is killed and restarted as above, and the live node that sends
+  it its state (torchft asks it for its state) is killed as soon as it starts sending;
+* ``two``: two nodes killed at once, both restarted;
+* ``partition``: every packet a node sends is dropped (a firewall rule on its ranks' group
+  id, so root and ``iptables`` only) for three heartbeat timeouts and longer than the rail's
+  timeout, then the rule is removed: the others drop it, and it is healed at its next
+  quorum. ``--lighthouse-restart-at S`` also kills the Lighthouse S seconds into the run and
+  starts it again at the same address a few seconds later.
+
+After the run the invariants are checked from every node's per-step records: nodes that
+committed a sync in the same quorum hold the same parameters after it, the step-counter
+canary is exact on every node at every step, no value is NaN, a joiner's first step is its
+peers', and every node ends with success (or the error it raised is printed). Printed:
+goodput (useful node-steps per second, relative to the run without faults), stall per
+fault, restart to first contributing sync, time and bytes per heal, windows dropped, the
+final validation loss against the run without faults; ``--out`` gets ``chaos.json`` and a
+plot of each node's state over time. No process outlives the command.
+
+Example::
+
+    $ python -m hiersync chaos --nodes 8 --minutes 10 --fault-every 30 --seed 1 --out chaos
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .netns import signals_raise
+
+os.environ.setdefault("RUST_LOG", "error")
+
+__all__ = ["ChaosConfig", "Event", "run_chaos", "analyze", "report", "add_arguments", "run", "FAULTS"]
+
+logger = logging.getLogger(__name__)
+
+FAULTS = ("kill", "kill-rank", "freeze", "kill-source", "two", "partition")
+
+
+def can_partition() -> bool:
+    """Whether ``partition`` can run here: root, and ``iptables`` with the owner match."""
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("iptables") is not None
+
+
+def _iptables(action: str, gid: int) -> None:
+    import subprocess
+
+    subprocess.run(
+        ["iptables", action, "OUTPUT", "-m", "owner", "--gid-owner", str(gid), "-j", "DROP"],
+        check=action == "-I",
+        capture_output=True,
+    )
+
+
+@dataclass
+class ChaosConfig:
+    nodes: int = 8
+    procs_per_node: int = 1
+    frontend: str = "ddp"
+    period: int = 4
+    fwd_ms: float = 100.0
+    bwd_ms: float = 200.0
+    seconds: float = 120.0
+    """Length of the run without faults (its step count is fixed from it)."""
+    fault_every: float = 30.0
+    restart_after: float = 3.0
+    heartbeat_timeout_ms: int = 1000
+    timeout_s: float = 5.0
+    """A rail collective's timeout (how long a frozen peer can hold the others)."""
+    faults: tuple[str, ...] = FAULTS
+    seed: int = 0
+    lighthouse_restart_at: float | None = None
+    """Seconds into the run with faults at which the Lighthouse is killed (restarted 3 s later)."""
+    steps: int = 0
+    """0: from ``seconds`` and the step time measured in the run without faults."""
+
+
+@dataclass
+class Event:
+    t: float
+    kind: str
+    """``kill``, ``restart``, ``freeze``, ``thaw``, ``error`` or ``note``."""
+    node: int
+    fault: int = -1
+    """Which injected fault it belongs to."""
+    detail: str = ""
+
+
+@dataclass
+class RunRecord:
+    """What one run left behind: every node's records and the driver's events."""
+
+    steps: int
+    started: float
+    ended: float
+    records: dict[int, list[tuple[float, int, dict[str, str]]]] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    results: dict[int, Any] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _worker_cfg(cfg: ChaosConfig, folder: str, steps: int) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "dir": folder,
+        "fwd_ms": cfg.fwd_ms,
+        "bwd_ms": cfg.bwd_ms,
+        "frontend": cfg.frontend,
+        "timeout_s": cfg.timeout_s,
+        "options": {"period": cfg.period},
+    }
+
+
+class _Driver:
+    """Starts the nodes, injects the faults, restarts the dead, and collects the records."""
+
+    def __init__(self, cfg: ChaosConfig, steps: int, inject: bool, bar: Any = None, logs: Path | None = None) -> None:
+        self.cfg, self.steps, self.inject, self.bar, self.logs = cfg, steps, inject, bar, logs
+        self.rng = random.Random(cfg.seed)
+        self.events: list[Event] = []
+        self.faults: list[dict[str, Any]] = []
+        self.restarts: list[tuple[float, int]] = []
+        self.thaws: list[tuple[float, int]] = []
+        self.source_hunt: tuple[float, int] | None = None  # (until, fault) waiting for a heal's source
+        self.down: set[int] = set()  # killed or frozen, not yet back
+        self.partitioned: dict[int, float] = {}  # node -> when its rule comes off
+
+    def run(self) -> RunRecord:
+        from .ft_nodes import GID_BASE, Lighthouse, Nodes
+
+        cfg = self.cfg
+        self.lighthouse = Lighthouse(
+            min_replicas=1, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms, join_timeout_ms=2000
+        )
+        partition = "partition" in cfg.faults and self.inject and can_partition()
+        timeout = max(30.0, 3 * cfg.timeout_s)
+        try:
+            with (
+                self.lighthouse,
+                Nodes(self.lighthouse.address, cfg.procs_per_node, pg_timeout=timeout, group_ids=partition) as nodes,
+            ):
+                return self._run(nodes)
+        finally:
+            for n in list(self.partitioned):  # never leave a rule behind
+                _iptables("-D", GID_BASE + n)
+
+    def _run(self, nodes: Any) -> RunRecord:
+        from . import chaos_worker
+
+        cfg = self.cfg
+        self.nodes = nodes
+        self.work = _worker_cfg(cfg, nodes.root, self.steps)
+        self.fn = chaos_worker.train
+        for n in range(cfg.nodes):
+            nodes.start(n, self.fn, (dict(self.work, start_nodes=cfg.nodes),))
+        started = self.started = time.time()
+        next_fault = started + cfg.fault_every
+        lighthouse_down = started + cfg.lighthouse_restart_at if cfg.lighthouse_restart_at and self.inject else None
+        lighthouse_back: float | None = None
+        while not self._finished():
+            now = time.time()
+            if self.inject and now >= next_fault:
+                self._inject(len(self.faults))
+                next_fault += cfg.fault_every
+            if lighthouse_down is not None and now >= lighthouse_down:
+                self.lighthouse.shutdown()
+                self.events.append(Event(now, "lighthouse-down", -1))
+                lighthouse_down, lighthouse_back = None, now + 3.0
+            if lighthouse_back is not None and now >= lighthouse_back:
+                self.lighthouse.restart()
+                self.events.append(Event(time.time(), "lighthouse-up", -1))
+                lighthouse_back = None
+            self._housekeeping(now)
+            if self.bar is not None:
+                self.bar(self._progress())
+            if now - started > 20 * max(cfg.seconds, 60.0):
+                raise TimeoutError(f"the chaos run was still going after {now - started:.0f} s")
+            time.sleep(0.05)
+        ended = time.time()
+        if self.logs is not None:  # every rank's own log (torchft's and hiersync's lines)
+            import shutil
+
+            self.logs.mkdir(parents=True, exist_ok=True)
+            for f in Path(nodes.root).glob("node*-rank*.log"):
+                shutil.copy(f, self.logs / f.name)
+        records = {n: nodes.steps(n) for n in range(cfg.nodes)}
+        results = {n: self._result(n) for n in range(cfg.nodes)}
+        return RunRecord(self.steps, started, ended, records, self.events, results, self.faults)
+
+    # ------------------------------------------------------------------ faults
+    def _alive(self) -> list[int]:
+        return [n for n in range(self.cfg.nodes) if n not in self.down and self._running(n)]
+
+    def _running(self, n: int) -> bool:
+        rec = self.nodes.nodes.get(n)
+        return rec is not None and any(p.exitcode is None for p in rec.procs)
+
+    def _inject(self, index: int) -> None:
+        cfg = self.cfg
+        kinds = [k for k in cfg.faults if k != "kill-rank" or cfg.procs_per_node > 1]
+        if not can_partition():
+            kinds = [k for k in kinds if k != "partition"] or ["kill"]
+        alive = self._alive()
+        if len(alive) < max(2, cfg.nodes // 2) + 1:  # keep most of the run up: skip this slot
+            self.events.append(Event(time.time(), "note", -1, index, "skipped: too few nodes up"))
+            return
+        kind = self.rng.choice(kinds)
+        victims = self.rng.sample(alive, 2 if kind == "two" else 1)
+        t = time.time()
+        self.faults.append({"index": index, "t": t, "kind": kind, "nodes": victims})
+        logger.info("chaos: fault %d at %.1f s: %s %s", index, t - self.started, kind, victims)
+        if kind == "freeze":
+            (n,) = victims
+            self.nodes.freeze(n)
+            self.down.add(n)
+            self.events.append(Event(t, "freeze", n, index))
+            self.thaws.append((t + 3 * cfg.heartbeat_timeout_ms / 1000, n))
+            return
+        if kind == "partition":
+            from .ft_nodes import GID_BASE
+
+            (n,) = victims
+            _iptables("-I", GID_BASE + n)
+            self.down.add(n)
+            self.partitioned[n] = t + max(3 * cfg.heartbeat_timeout_ms / 1000, 1.5 * cfg.timeout_s)
+            self.events.append(Event(t, "partition", n, index))
+            return
+        if kind == "kill-rank":
+            (n,) = victims
+            proc = self.rng.choice(self.nodes.nodes[n].procs)
+            if proc.pid is not None:
+                os.kill(proc.pid, signal.SIGKILL)
+            time.sleep(0.5)  # torchrun's agent sees the rank die and stops the others
+        for n in victims:
+            self._kill(n, index, kind)
+        if kind == "kill-source":
+            for f in Path(self.nodes.root).glob("sending-*"):
+                f.unlink()
+            (Path(self.nodes.root) / chaos_worker_slow_send()).touch()
+            self.source_hunt = (t + cfg.restart_after + 30.0, index)
+
+    def _kill(self, n: int, index: int, why: str) -> None:
+        t = self.nodes.kill(n)
+        self.down.add(n)
+        self.events.append(Event(t, "kill", n, index, why))
+        self.restarts.append((t + self.cfg.restart_after, n))
+
+    def _housekeeping(self, now: float) -> None:
+        from .ft_nodes import GID_BASE
+
+        for n, when in list(self.partitioned.items()):
+            if now >= when:
+                _iptables("-D", GID_BASE + n)
+                del self.partitioned[n]
+                self.down.discard(n)
+                self.events.append(Event(now, "heal-partition", n))
+        for when, n in list(self.thaws):
+            if now >= when:
+                self.nodes._signal(n, signal.SIGCONT)
+                self.thaws.remove((when, n))
+                self.down.discard(n)
+                self.events.append(Event(now, "thaw", n))
+        for when, n in list(self.restarts):
+            if now >= when and not self._running(n):
+                self.restarts.remove((when, n))
+                self.down.discard(n)
+                self.nodes.start(n, self.fn, (dict(self.work, start_nodes=1),))
+                self.events.append(Event(time.time(), "restart", n))
+        if self.source_hunt is not None:
+            until, index = self.source_hunt
+            sources = [int(f.name.split("-")[1]) for f in Path(self.nodes.root).glob("sending-*")]
+            live = [n for n in sources if n not in self.down and self._running(n)]
+            if live or now > until:
+                if live:
+                    self._kill(live[0], index, "heal source")
+                else:
+                    self.events.append(Event(now, "note", -1, index, "no heal source seen"))
+                self.source_hunt = None
+                (Path(self.nodes.root) / chaos_worker_slow_send()).unlink(missing_ok=True)
+        for n in range(self.cfg.nodes):  # a node that raised: print it, start it again (torchrun would)
+            rec = self.nodes.nodes.get(n)
+            if rec is None or self._running(n) or n in self.down or self._done(n):
+                continue
+            errors = sorted(Path(rec.folder).glob("error-*"))
+            text = errors[0].read_text().strip().splitlines()[-1] if errors else "exited without a result"
+            self.events.append(Event(now, "error", n, detail=text))
+            logger.warning("chaos: node %d ended with: %s", n, text)
+            self.down.add(n)
+            self.restarts.append((now + self.cfg.restart_after, n))
+
+    # ------------------------------------------------------------------ the end
+    def _done(self, n: int) -> bool:
+        rec = self.nodes.nodes[n]
+        return all(os.path.exists(os.path.join(rec.folder, f"result-{r}")) for r in range(self.cfg.procs_per_node))
+
+    def _finished(self) -> bool:
+        if self.restarts or self.thaws or self.down or self.partitioned:
+            return False
+        return all(n in self.nodes.nodes and self._done(n) and not self._running(n) for n in range(self.cfg.nodes))
+
+    def _result(self, n: int) -> Any:
+        import pickle
+
+        with open(os.path.join(self.nodes.nodes[n].folder, "result-0"), "rb") as f:
+            return pickle.load(f)
+
+    def _progress(self) -> int:
+        return min((max((s for _, s, _ in self.nodes.steps(n)), default=0) for n in range(self.cfg.nodes)), default=0)
+
+
+def chaos_worker_slow_send() -> str:
+    from .chaos_worker import SLOW_SEND
+
+    return SLOW_SEND
+
+
+# ---------------------------------------------------------------------- analysis (pure)
+def _incarnations(records: list[tuple[float, int, dict[str, str]]]) -> list[list[tuple[float, int, dict[str, str]]]]:
+    """A node's records split by incarnation (each starts with its ``event=up`` record)."""
+    out: list[list[tuple[float, int, dict[str, str]]]] = []
+    for r in records:
+        if r[2].get("event") == "up" or not out:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def _steps(inc: list[tuple[float, int, dict[str, str]]]) -> list[tuple[float, int, dict[str, str]]]:
+    return [r for r in inc if "event" not in r[2]]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -> dict[str, Any]:
+    """Invariants and figures of a chaos run against its run without faults (pure: records in, dict out)."""
+    violations: list[str] = []
+    sync_groups: dict[tuple[int, str], list[tuple[int, float, int, float]]] = {}  # (node, sum, participants, t)
+    useful = 0
+    firsts: list[dict[str, Any]] = []
+    windows_dropped = 0
+    heal_s: list[float] = []
+    heal_bytes: list[float] = []
+    for n, records in faulted.records.items():
+        for k, inc in enumerate(_incarnations(records)):
+            steps = _steps(inc)
+            joined = next((r for r in inc if r[2].get("event") == "joined"), None)
+            if k > 0 and joined is not None:
+                heal_s.append(float(joined[2].get("heal_s", "nan")))
+                heal_bytes.append(float(joined[2].get("heal_bytes", "nan")))
+            last_failed = 0
+            committed_sync_steps = []
+            for t, s, f in steps:
+                if f.get("nan") == "1":
+                    violations.append(f"node {n} step {s}: NaN in the parameters")
+                if f.get("canary", "0") != "0":
+                    violations.append(f"node {n} step {s}: canary off by {f['canary']} steps")
+                failed = int(f.get("failed", 0))
+                if (s + 1) % period == 0:
+                    if failed == last_failed:
+                        group = sync_groups.setdefault((s, f.get("q", "?")), [])
+                        group.append((n, float(f["sum"]), int(f.get("n", 0)), t))
+                        committed_sync_steps.append(s)
+                    else:
+                        windows_dropped += failed - last_failed
+                last_failed = failed
+            done = any(r[2].get("event") == "done" for r in inc)
+            last_sync = max(committed_sync_steps, default=-1)
+            first = steps[0][1] if steps else None
+            for _, s, _ in steps:
+                # a step is useful once a committed sync (or the final synchronize) carried it
+                if (done or s <= last_sync) and not (k > 0 and s == first):
+                    useful += 1
+            if k > 0 and steps:
+                contributing = [r for r in steps if r[1] in committed_sync_steps and r[1] > steps[0][1]]
+                # from the process start (the driver's restart), not from the rank's first line
+                begun = max(
+                    (e.t for e in faulted.events if e.kind == "restart" and e.node == n and e.t <= inc[0][0]),
+                    default=inc[0][0],
+                )
+                firsts.append(
+                    {
+                        "node": n,
+                        "incarnation": k + 1,
+                        "started": begun,
+                        "first_step": first,
+                        "first_q": steps[0][2].get("q", "?"),
+                        "first_sum": float(steps[0][2]["sum"]),
+                        "first_contributing_sync_s": contributing[0][0] - begun if contributing else None,
+                    }
+                )
+    faults_at = [e.t for e in faulted.events if e.kind in ("kill", "freeze", "partition", "error")]
+    for (s, q), members in sorted(sync_groups.items()):
+        sums = [v for _, v, _, _ in members]
+        if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
+            violations.append(f"step {s} quorum {q}: nodes {[m[0] for m in members]} differ after the sync: {sums}")
+        expected = max(m[2] for m in members)
+        t = members[0][3]
+        # every node of a committed sync recorded it, unless a fault took one away right then
+        if len(members) < expected and not any(t - 3.0 <= x <= t + 3.0 for x in faults_at):
+            who = [m[0] for m in members]
+            violations.append(f"step {s} quorum {q}: {expected} nodes synced, only nodes {who} recorded it")
+    # a joiner healed in its first quorum holds its peers' step and parameters from its first step on
+    healed_at_once = 0
+    for fr in firsts:
+        group = sync_groups.get((fr["first_step"], fr["first_q"]), [])
+        if any(m != fr["node"] and v == fr["first_sum"] for m, v, _, _ in group):
+            healed_at_once += 1
+    ref_time = reference.ended - reference.started
+    run_time = faulted.ended - faulted.started
+    ref_rate = nodes * reference.steps / ref_time
+    goodput = useful / run_time / ref_rate
+    typical = statistics.median(
+        b[0] - a[0] for recs in reference.records.values() for a, b in zip(_steps(recs), _steps(recs)[1:])
+    )
+    stalls = []
+    for fault in faulted.faults:
+        t0, victims = fault["t"], set(fault["nodes"])
+        worst = 0.0
+        for n, recs in faulted.records.items():
+            if n in victims:
+                continue
+            times = [t for t, _, f in recs if "event" not in f and t0 - 5 <= t <= t0 + 20]
+            gaps = [b - a for a, b in itertools.pairwise(times) if b > t0]
+            if gaps:
+                worst = max(worst, max(gaps) - typical)
+        stalls.append(worst)
+    restart_s = [f["first_contributing_sync_s"] for f in firsts if f["first_contributing_sync_s"] is not None]
+    val = [r["val_loss"] for r in faulted.results.values() if r]
+    ref_val = [r["val_loss"] for r in reference.results.values() if r]
+    errors = [f"node {e.node}: {e.detail}" for e in faulted.events if e.kind == "error"]
+    return {
+        "goodput": goodput,
+        "useful_node_steps": useful,
+        "seconds": run_time,
+        "reference_seconds": ref_time,
+        "typical_step_s": typical,
+        "faults": len(faulted.faults),
+        "fault_kinds": {k: sum(f["kind"] == k for f in faulted.faults) for k in FAULTS},
+        "stall_s": {"p50": _pct(stalls, 0.5), "p95": _pct(stalls, 0.95)},
+        "restart_to_contributing_sync_s": {
+            "p50": _pct(restart_s, 0.5),
+            "p95": _pct(restart_s, 0.95),
+            "n": len(restart_s),
+        },
+        "restarts_never_contributing": sum(f["first_contributing_sync_s"] is None for f in firsts),
+        "restarts": len(firsts),
+        "healed_at_once": healed_at_once,
+        "heal_s": {"p50": _pct(heal_s, 0.5), "p95": _pct(heal_s, 0.95)},
+        "heal_bytes": _pct(heal_bytes, 0.5),
+        "windows_dropped": windows_dropped,
+        "syncs_checked": len(sync_groups),
+        "val_loss": statistics.mean(val) if val else None,
+        "reference_val_loss": statistics.mean(ref_val) if ref_val else None,
+        "errors": errors,
+        "violations": violations,
+    }
+
+
+def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
+    def s(v: Any, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    rel = (a["val_loss"] / a["reference_val_loss"] - 1) if a["val_loss"] and a["reference_val_loss"] else None
+    kinds = ", ".join(f"{k} {v}" for k, v in a["fault_kinds"].items() if v)
+    lines = [
+        f"chaos: {cfg.nodes} nodes x {cfg.procs_per_node} ranks ({cfg.frontend}), period {cfg.period}, accelerator-"
+        f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}",
+        f"  faults              {a['faults']} ({kinds or 'none'})",
+        f"  goodput             {a['goodput']:.3f} of the run without faults ({a['useful_node_steps']} useful "
+        f"node-steps in {a['seconds']:.0f} s; without faults {a['reference_seconds']:.0f} s)",
+        f"  stall per fault     p50 {s(a['stall_s']['p50'])} s, p95 {s(a['stall_s']['p95'])} s "
+        f"(longest step of a survivor, less the typical {a['typical_step_s']:.2f} s)",
+        f"  restart -> first contributing sync  p50 {s(a['restart_to_contributing_sync_s']['p50'])} s, "
+        f"p95 {s(a['restart_to_contributing_sync_s']['p95'])} s ({a['restart_to_contributing_sync_s']['n']} restarts"
+        + (f", {a['restarts_never_contributing']} killed before one" if a["restarts_never_contributing"] else "")
+        + f"; {a['healed_at_once']} of {a['restarts']} healed in their first quorum, the others at a later one)",
+        f"  heal                p50 {s(a['heal_s']['p50'])} s, p95 {s(a['heal_s']['p95'])} s from the process start, "
+        f"{s(a['heal_bytes'], '.0f')} bytes of model and optimizer state",
+        f"  windows dropped     {a['windows_dropped']}; {a['syncs_checked']} committed syncs checked",
+        f"  final val loss      {s(a['val_loss'], '.5f')} vs {s(a['reference_val_loss'], '.5f')} without faults"
+        + (f" ({rel:+.2%})" if rel is not None else ""),
+        "  invariants          " + ("all held" if not a["violations"] else f"{len(a['violations'])} VIOLATED"),
+    ]
+    lines += [f"    {v}" for v in a["violations"][:20]]
+    lines += [f"  error: {e}" for e in a["errors"][:20]]
+    return "\n".join(lines)
+
+
+def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
+    """Each node's state over time: dead, starting/healing, contributing, frozen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = faulted.started
+    fig, ax = plt.subplots(figsize=(10, 0.4 * cfg.nodes + 1.5))
+    colors = {
+        "contributing": "tab:green",
+        "starting/healing": "tab:orange",
+        "frozen": "tab:blue",
+        "partitioned": "tab:purple",
+        "dead": "tab:red",
+    }
+    for n, recs in faulted.records.items():
+        for inc in _incarnations(recs):
+            steps = _steps(inc)
+            start = inc[0][0]
+            first = steps[0][0] if steps else faulted.ended
+            ax.broken_barh([(start - t0, first - start)], (n - 0.4, 0.8), color=colors["starting/healing"])
+            if steps:
+                ax.broken_barh([(first - t0, steps[-1][0] - first)], (n - 0.4, 0.8), color=colors["contributing"])
+    for e in faulted.events:
+        if e.kind == "kill":
+            back = next((x.t for x in faulted.events if x.kind == "restart" and x.node == e.node and x.t > e.t), None)
+            ax.broken_barh([(e.t - t0, (back or faulted.ended) - e.t)], (e.node - 0.4, 0.8), color=colors["dead"])
+        for opened, closed, color in (("freeze", "thaw", "frozen"), ("partition", "heal-partition", "partitioned")):
+            if e.kind == opened:
+                back = next((x.t for x in faulted.events if x.kind == closed and x.node == e.node and x.t > e.t), None)
+                ax.broken_barh([(e.t - t0, (back or faulted.ended) - e.t)], (e.node - 0.4, 0.8), color=colors[color])
+        if e.kind == "lighthouse-down":
+            ax.axvline(e.t - t0, color="black", linestyle="--")
+    ax.set_yticks(range(cfg.nodes))
+    ax.set_ylabel("node")
+    ax.set_xlabel("seconds")
+    ax.set_title(f"chaos run: a fault every {cfg.fault_every:.0f} s (seed {cfg.seed})")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles=handles, labels=list(colors), ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=total, desc=desc, unit="step", mininterval=1.0)
+
+    def update(done: int) -> None:
+        done = min(total, max(0, done))
+        if done > bar.n:
+            bar.update(done - bar.n)
+
+    return bar, update
+
+
+def run_chaos(
+    cfg: ChaosConfig, progress: bool = True, logs: Path | None = None
+) -> tuple[dict[str, Any], RunRecord, RunRecord]:
+    """The run without faults, then the run with them; (analysis, faulted run, reference run).
+
+    ``logs``: copy every rank's log there (``reference/`` and ``faults/``)."""
+    steps = cfg.steps or max(2 * cfg.period, round(cfg.seconds / ((cfg.fwd_ms + cfg.bwd_ms) / 1000 * 1.1)))
+    runs = {}
+    for name, inject in (("without faults", False), ("with faults", True)):
+        bar, update = _bar(steps, name) if progress else (None, None)
+        try:
+            folder = None if logs is None else logs / ("faults" if inject else "reference")
+            runs[name] = _Driver(cfg, steps, inject, update, folder).run()
+        finally:
+            if bar is not None:
+                bar.close()
+    faulted, reference = runs["with faults"], runs["without faults"]
+    return analyze(faulted, reference, cfg.period, cfg.nodes), faulted, reference
+
+
+# ---------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ChaosConfig()
+    parser.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes")
+    parser.add_argument("--procs-per-node", type=int, default=d.procs_per_node, help="ranks per node (FSDP2 if > 1)")
+    parser.add_argument("--minutes", type=float, default=2.0, help="length of the run without faults")
+    parser.add_argument("--fault-every", type=float, default=d.fault_every, help="seconds between two faults")
+    parser.add_argument("--restart-after", type=float, default=d.restart_after, help="a killed node restarts this late")
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"kinds to draw from: {','.join(FAULTS)}")
+    parser.add_argument("--period", type=int, default=d.period, help="hiersync period k")
+    parser.add_argument("--step-ms", type=float, default=d.fwd_ms + d.bwd_ms, help="accelerator-like compute per step")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
+    parser.add_argument("--seed", type=int, default=0, help="draws the faults' kinds and victims")
+    parser.add_argument(
+        "--lighthouse-restart-at",
+        type=float,
+        default=None,
+        help="kill the Lighthouse this many seconds in, restart it 3 s later",
+    )
+    parser.add_argument("--out", default=None, help="write chaos.json and chaos.png there")
+
+
+def run(args: argparse.Namespace) -> int:
+    faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    bad = [k for k in faults if k not in FAULTS]
+    if bad or not faults:
+        raise ValueError(f"--faults {args.faults!r}: use some of {','.join(FAULTS)}")
+    if args.nodes < 3:
+        raise ValueError(f"--nodes {args.nodes}: a chaos run needs at least 3 nodes (survivors to heal from)")
+    cfg = ChaosConfig(
+        nodes=args.nodes,
+        procs_per_node=args.procs_per_node,
+        frontend="fsdp" if args.procs_per_node > 1 else "ddp",
+        period=args.period,
+        fwd_ms=args.step_ms / 3,
+        bwd_ms=2 * args.step_ms / 3,
+        seconds=60 * args.minutes,
+        fault_every=args.fault_every,
+        restart_after=args.restart_after,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        faults=faults,
+        seed=args.seed,
+        lighthouse_restart_at=args.lighthouse_restart_at,
+    )
+    if "partition" in faults and not can_partition():
+        logger.warning("chaos: 'partition' needs root and iptables (apt-get install iptables): left out of this run")
+    with signals_raise():
+        analysis, faulted, _ = run_chaos(cfg, logs=Path(args.out) / "logs" if args.out else None)
+    text = report(analysis, cfg)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        blob = {
+            "config": asdict(cfg),
+            "analysis": analysis,
+            "faults": faulted.faults,
+            "events": [asdict(e) for e in faulted.events],
+        }
+        (out / "chaos.json").write_text(json.dumps(blob, indent=1))
+        plot(faulted, cfg, out / "chaos.png")
+        print(f"wrote {out / 'chaos.json'} and {out / 'chaos.png'}")
+    return 0 if not analysis["violations"] else 1
