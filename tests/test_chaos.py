@@ -28,8 +28,10 @@ def _run(nodes: int, steps: int, tweak=None, restart: dict | None = None) -> Run
             if restart and n in restart and s == restart[n]:
                 events += [Event(t, "kill", n), Event(t + 0.3, "restart", n)]
                 recs.append((t + 0.3, -1, {"event": "up"}))
-                recs.append((t + 0.5, -1, {"event": "joined", "heal_s": "0.2", "heal_bytes": "100"}))
-            if restart and n in restart and restart[n] <= s < restart[n] + 1:
+                healed = {"event": "joined", "heal_s": "0.2", "heal_bytes": "100", "n": str(nodes), "q": "1"}
+                healed["sum"] = f"{float((s + 1) // PERIOD):.12e}"  # the sync after step s + 1, its peers' result
+                recs.append((t + 0.5, s + 1, healed))
+            if restart and n in restart and restart[n] <= s <= restart[n] + 1:
                 continue  # dead, then healed into the sync after step restart[n] + 1
             f = {"loss": "1.0", "n": str(nodes), "q": "1", "failed": "0", "heals": "0", "canary": "0", "nan": "0"}
             f["sum"] = f"{float(s // PERIOD):.12e}" if (s + 1) % PERIOD == 0 else f"{s + 0.01 * n:.12e}"
@@ -44,6 +46,7 @@ def _run(nodes: int, steps: int, tweak=None, restart: dict | None = None) -> Run
         steps,
         0.0,
         end,
+        0,
         records,
         events,
         results,
@@ -100,7 +103,7 @@ def test_a_restarted_node_healed_into_a_sync_is_one_of_its_peers():
     a = _analyze(_run(3, 12, restart={2: 4}))
     assert a["violations"] == [], a["violations"]
     assert a["restarts"] == 1 and a["healed_at_once"] == 1
-    # its lost step 4 and the heal window (step 5, its peers') are not useful; everything else is
+    # its lost step 4 and step 5 (healed into the sync after it) were not its own; everything else is
     assert a["useful_node_steps"] == 3 * 12 - 2
     assert a["restart_to_contributing_sync_s"]["n"] == 1
 
@@ -113,7 +116,7 @@ def test_chaos_run_of_two_minutes(tmp_path):
     from hiersync.tools.chaos import run_chaos
 
     cfg = ChaosConfig(nodes=8, seconds=120.0, fault_every=30.0, seed=1)
-    a, _, _ = run_chaos(cfg, progress=False, logs=tmp_path)
+    ((a, _, _),) = run_chaos(cfg, progress=False, logs=tmp_path)
     text = report(a, cfg)
     assert a["faults"] >= 3, text
     assert a["violations"] == [] and a["errors"] == [], text

@@ -120,6 +120,7 @@ class RunRecord:
     steps: int
     started: float
     ended: float
+    seed: int = 0
     records: dict[int, list[tuple[float, int, dict[str, str]]]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     results: dict[int, Any] = field(default_factory=dict)
@@ -151,6 +152,9 @@ class _Driver:
         self.source_hunt: tuple[float, int] | None = None  # (until, fault) waiting for a heal's source
         self.down: set[int] = set()  # killed or frozen, not yet back
         self.partitioned: dict[int, float] = {}  # node -> when its rule comes off
+        step_s = (cfg.fwd_ms + cfg.bwd_ms) / 1000
+        self.quiet_steps = int((cfg.restart_after + 15.0) / step_s)
+        """No fault in the last steps of the run: a node killed then would find its peers finished."""
 
     def run(self) -> RunRecord:
         from .ft_nodes import GID_BASE, Lighthouse, Nodes
@@ -187,7 +191,10 @@ class _Driver:
         while not self._finished():
             now = time.time()
             if self.inject and now >= next_fault:
-                self._inject(len(self.faults))
+                if self._progress() < self.steps - self.quiet_steps:
+                    self._inject(len(self.faults))
+                else:  # a node killed now would come back after the others finished: nobody to heal from
+                    self.events.append(Event(now, "note", -1, len(self.faults), "no fault near the end of the run"))
                 next_fault += cfg.fault_every
             if lighthouse_down is not None and now >= lighthouse_down:
                 self.lighthouse.shutdown()
@@ -212,7 +219,7 @@ class _Driver:
                 shutil.copy(f, self.logs / f.name)
         records = {n: nodes.steps(n) for n in range(cfg.nodes)}
         results = {n: self._result(n) for n in range(cfg.nodes)}
-        return RunRecord(self.steps, started, ended, records, self.events, results, self.faults)
+        return RunRecord(self.steps, started, ended, cfg.seed, records, self.events, results, self.faults)
 
     # ------------------------------------------------------------------ faults
     def _alive(self) -> list[int]:
@@ -379,6 +386,11 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
             if k > 0 and joined is not None:
                 heal_s.append(float(joined[2].get("heal_s", "nan")))
                 heal_bytes.append(float(joined[2].get("heal_bytes", "nan")))
+                h, f = joined[1], joined[2]
+                if h >= 0 and (h + 1) % period == 0 and f.get("failed", "0") == "0" and "sum" in f:
+                    # healed into that sync: a member of its window, with nothing of its own in it
+                    group = sync_groups.setdefault((h, f.get("q", "?")), [])
+                    group.append((n, float(f["sum"]), int(f.get("n", 0)), joined[0]))
             last_failed = 0
             committed_sync_steps = []
             for t, s, f in steps:
@@ -397,13 +409,12 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
                 last_failed = failed
             done = any(r[2].get("event") == "done" for r in inc)
             last_sync = max(committed_sync_steps, default=-1)
-            first = steps[0][1] if steps else None
             for _, s, _ in steps:
                 # a step is useful once a committed sync (or the final synchronize) carried it
-                if (done or s <= last_sync) and not (k > 0 and s == first):
+                if done or s <= last_sync:
                     useful += 1
             if k > 0 and steps:
-                contributing = [r for r in steps if r[1] in committed_sync_steps and r[1] > steps[0][1]]
+                contributing = [r for r in steps if r[1] in committed_sync_steps]
                 # from the process start (the driver's restart), not from the rank's first line
                 begun = max(
                     (e.t for e in faulted.events if e.kind == "restart" and e.node == n and e.t <= inc[0][0]),
@@ -414,9 +425,10 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
                         "node": n,
                         "incarnation": k + 1,
                         "started": begun,
-                        "first_step": first,
-                        "first_q": steps[0][2].get("q", "?"),
-                        "first_sum": float(steps[0][2]["sum"]),
+                        "first_step": steps[0][1],
+                        "healed_into": (joined[1], joined[2].get("q", "?"), float(joined[2].get("sum", "nan")))
+                        if joined is not None
+                        else None,
                         "first_contributing_sync_s": contributing[0][0] - begun if contributing else None,
                     }
                 )
@@ -434,8 +446,10 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
     # a joiner healed in its first quorum holds its peers' step and parameters from its first step on
     healed_at_once = 0
     for fr in firsts:
-        group = sync_groups.get((fr["first_step"], fr["first_q"]), [])
-        if any(m != fr["node"] and v == fr["first_sum"] for m, v, _, _ in group):
+        if fr["healed_into"] is None:
+            continue
+        h, q, total = fr["healed_into"]
+        if any(m != fr["node"] and v == total for m, v, _, _ in sync_groups.get((h, q), [])):
             healed_at_once += 1
     ref_time = reference.ended - reference.started
     run_time = faulted.ended - faulted.started
@@ -518,6 +532,31 @@ def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
     return "\n".join(lines)
 
 
+def table(analyses: list[dict[str, Any]], seeds: list[int]) -> str:
+    """One line per seed: the figures the goals are about (markdown)."""
+
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [
+        "| seed | faults | goodput | stall p50 / p95 s | restart -> contributing p50 / p95 s | heal p50 s "
+        "| windows dropped | val loss vs no faults | invariants |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for seed, a in zip(seeds, analyses):
+        rel = a["val_loss"] / a["reference_val_loss"] - 1 if a["val_loss"] and a["reference_val_loss"] else None
+        r = a["restart_to_contributing_sync_s"]
+        lines.append(
+            f"| {seed} | {a['faults']} | {a['goodput']:.3f} | {f(a['stall_s']['p50'], '.2f')} / "
+            f"{f(a['stall_s']['p95'], '.2f')} | {f(r['p50'], '.2f')} / {f(r['p95'], '.2f')} | "
+            f"{f(a['heal_s']['p50'], '.2f')} | {a['windows_dropped']} | {f(rel, '+.2%')} | "
+            + ("all held" if not a["violations"] else f"{len(a['violations'])} violated")
+            + (f", {len(a['errors'])} errors" if a["errors"] else "")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
     """Each node's state over time: dead, starting/healing, contributing, frozen."""
     import matplotlib
@@ -578,24 +617,30 @@ def _bar(total: int, desc: str) -> Any:
     return bar, update
 
 
-def run_chaos(
-    cfg: ChaosConfig, progress: bool = True, logs: Path | None = None
-) -> tuple[dict[str, Any], RunRecord, RunRecord]:
-    """The run without faults, then the run with them; (analysis, faulted run, reference run).
+def _timed_run(cfg: ChaosConfig, steps: int, inject: bool, name: str, progress: bool, logs: Path | None) -> RunRecord:
+    bar, update = _bar(steps, name) if progress else (None, None)
+    try:
+        return _Driver(cfg, steps, inject, update, logs).run()
+    finally:
+        if bar is not None:
+            bar.close()
 
-    ``logs``: copy every rank's log there (``reference/`` and ``faults/``)."""
+
+def run_chaos(
+    cfg: ChaosConfig, progress: bool = True, logs: Path | None = None, seeds: list[int] | None = None
+) -> list[tuple[dict[str, Any], RunRecord, RunRecord]]:
+    """The run without faults, then one run with faults per seed (default: ``cfg.seed``);
+    (analysis, faulted run, reference run) for each. ``logs``: copy every rank's log there."""
     steps = cfg.steps or max(2 * cfg.period, round(cfg.seconds / ((cfg.fwd_ms + cfg.bwd_ms) / 1000 * 1.1)))
-    runs = {}
-    for name, inject in (("without faults", False), ("with faults", True)):
-        bar, update = _bar(steps, name) if progress else (None, None)
-        try:
-            folder = None if logs is None else logs / ("faults" if inject else "reference")
-            runs[name] = _Driver(cfg, steps, inject, update, folder).run()
-        finally:
-            if bar is not None:
-                bar.close()
-    faulted, reference = runs["with faults"], runs["without faults"]
-    return analyze(faulted, reference, cfg.period, cfg.nodes), faulted, reference
+    folder = (lambda name: None) if logs is None else (lambda name: logs / name)
+    reference = _timed_run(cfg, steps, False, "without faults", progress, folder("reference"))
+    out = []
+    for seed in seeds if seeds is not None else [cfg.seed]:
+        seeded = ChaosConfig(**{**asdict(cfg), "seed": seed, "faults": tuple(cfg.faults)})
+        name = f"faults, seed {seed}"
+        faulted = _timed_run(seeded, steps, True, name, progress, folder(f"faults-seed{seed}"))
+        out.append((analyze(faulted, reference, cfg.period, cfg.nodes), faulted, reference))
+    return out
 
 
 # ---------------------------------------------------------------------- CLI
@@ -610,7 +655,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--period", type=int, default=d.period, help="hiersync period k")
     parser.add_argument("--step-ms", type=float, default=d.fwd_ms + d.bwd_ms, help="accelerator-like compute per step")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
-    parser.add_argument("--seed", type=int, default=0, help="draws the faults' kinds and victims")
+    parser.add_argument(
+        "--seed", default="0", help="draws the faults' kinds and victims; several (1,2,3): one run with faults each"
+    )
     parser.add_argument(
         "--lighthouse-restart-at",
         type=float,
@@ -625,6 +672,9 @@ def run(args: argparse.Namespace) -> int:
     bad = [k for k in faults if k not in FAULTS]
     if bad or not faults:
         raise ValueError(f"--faults {args.faults!r}: use some of {','.join(FAULTS)}")
+    seeds = [int(x) for x in str(args.seed).split(",") if x.strip()]
+    if not seeds:
+        raise ValueError(f"--seed {args.seed!r}: give an int, or several separated by commas")
     if args.nodes < 3:
         raise ValueError(f"--nodes {args.nodes}: a chaos run needs at least 3 nodes (survivors to heal from)")
     cfg = ChaosConfig(
@@ -639,25 +689,29 @@ def run(args: argparse.Namespace) -> int:
         restart_after=args.restart_after,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         faults=faults,
-        seed=args.seed,
+        seed=seeds[0],
         lighthouse_restart_at=args.lighthouse_restart_at,
     )
     if "partition" in faults and not can_partition():
         logger.warning("chaos: 'partition' needs root and iptables (apt-get install iptables): left out of this run")
+    out = Path(args.out) if args.out else None
     with signals_raise():
-        analysis, faulted, _ = run_chaos(cfg, logs=Path(args.out) / "logs" if args.out else None)
-    text = report(analysis, cfg)
-    print(text)
-    if args.out:
-        out = Path(args.out)
+        runs = run_chaos(cfg, logs=out / "logs" if out else None, seeds=seeds)
+    for analysis, faulted, _ in runs:
+        print(report(analysis, ChaosConfig(**{**asdict(cfg), "seed": faulted.seed, "faults": cfg.faults})))
+    if len(runs) > 1:
+        print(table([a for a, _, _ in runs], seeds))
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         blob = {
             "config": asdict(cfg),
-            "analysis": analysis,
-            "faults": faulted.faults,
-            "events": [asdict(e) for e in faulted.events],
+            "runs": [
+                {"seed": seed, "analysis": a, "faults": f.faults, "events": [asdict(e) for e in f.events]}
+                for seed, (a, f, _) in zip(seeds, runs)
+            ],
         }
         (out / "chaos.json").write_text(json.dumps(blob, indent=1))
-        plot(faulted, cfg, out / "chaos.png")
-        print(f"wrote {out / 'chaos.json'} and {out / 'chaos.png'}")
-    return 0 if not analysis["violations"] else 1
+        for seed, (_, f, _) in zip(seeds, runs):
+            plot(f, ChaosConfig(**{**asdict(cfg), "seed": seed, "faults": cfg.faults}), out / f"chaos-seed{seed}.png")
+        print(f"wrote {out / 'chaos.json'} and a plot per seed there")
+    return 0 if not any(a["violations"] or a["errors"] for a, _, _ in runs) else 1

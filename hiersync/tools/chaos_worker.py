@@ -115,7 +115,17 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         if torch.is_tensor(t)
     )
     first = state.step
-    ft_nodes.progress(first - 1, event="joined", heal_s=f"{heal_s:.3f}", heal_bytes=heal_bytes)
+    st: Any = state.stats  # the window it was healed in (or the start): its peers' step and parameters
+    ft_nodes.progress(
+        first - 1,
+        event="joined",
+        heal_s=f"{heal_s:.3f}",
+        heal_bytes=heal_bytes,
+        n=st.sync_participants,
+        q=st.quorum_id,
+        failed=st.failed_syncs,
+        sum=f"{_checksum(model):.12e}",
+    )
     while state.step < cfg["steps"]:
         x, y = batch(node, rank, state.step)
         loss = nn.functional.mse_loss(wrapped(x), y)
