@@ -221,13 +221,26 @@ class ManagerMode(SyncState):
         """torchft heals each rank from the peer its group rank maps to: one copy for the node.
 
         A node of replicas takes rank 0's parameters, buffers and optimizer state; on a sharded
-        node each rank keeps the shard its peer rank sent. Every rank takes rank 0's step.
+        node each rank keeps the shard its peer rank sent. Every rank takes rank 0's step. A
+        heal past the start that reached some ranks of the node and not others (a source that
+        died while it sent) leaves no consistent copy to train on: the node raises, and its
+        torchrun starts it again, to be healed whole.
         """
         device = self._model_device()
-        flag = torch.tensor([1.0 if self._healed else 0.0], device=device)
+        healed = 1.0 if self._healed else 0.0
+        flag = torch.tensor([healed, -healed, float(self.step)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.intra)
-        if flag.item() == 0:
+        if flag[0].item() == 0:
             return
+        # Some rank not healed, past the start (torchft's init_sync may copy only some ranks' initial
+        # state at step 0, which rank 0's broadcast below settles for a node of replicas).
+        if flag[1].item() != -1 and flag[2].item() > 0:
+            raise HierSyncError(
+                f"hiersync: node heal failed: torchft healed some ranks of this node from a live peer and not others "
+                f"(rank {self.rank} {'was' if self._healed else 'was not'}; a heal source that died while it sent?), "
+                "so its ranks hold different copies of the run. This node stops here; start it again (its torchrun "
+                "does, with --max-restarts) and it is healed whole from a live peer"
+            )
         self._healed = True  # the whole node is a copy now
         src = self.topology.node_ranks(self.rank)[0]
         model, opt = self._model, self._optimizer if self._REPLICATED else None

@@ -11,7 +11,8 @@ optimizer state as if it had never been launched (the engine restores what it ba
 * :class:`GroupRail` is a ``torch.distributed`` group over the rail: its windows always
   commit, nothing is voted, nothing is backed up.
 * :class:`TorchftRail` is the process group of a ``torchft.Manager``, rebuilt by torchft when
-  nodes leave or join: each window holds a quorum (a joiner is healed inside it), its
+  nodes leave or join: each window holds a quorum (a joiner is healed inside it, and then
+  sends zeros in that window, whose averages divide by the nodes that contribute), its
   collectives never fail their futures (a failure is recorded in the window, whose results
   nobody applies), and the node votes with ``should_commit``. Windows are decided in the
   order they were opened, each once, on every rank of the node alike, so torchft's step

@@ -65,7 +65,9 @@ def val_loss(model: nn.Module) -> float:
 
 def _checksum(model: nn.Module) -> float:
     with torch.no_grad():
-        flat = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+        params: list[Any] = [p.detach() for p in model.parameters()]
+        parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+        flat = torch.cat([t.double().reshape(-1) for t in parts])
         return float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64).sin()).sum())
 
 
@@ -134,7 +136,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         stats: Any = state.stats
-        nan = any(not torch.isfinite(p.detach()).all() for p in model.parameters())
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        nan = any(not bool(torch.isfinite(t.detach()).all()) for t in local)
         fields = {
             "loss": f"{loss.item():.6f}",
             "n": stats.sync_participants,
