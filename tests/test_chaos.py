@@ -109,6 +109,7 @@ def test_a_restarted_node_healed_into_a_sync_is_one_of_its_peers():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two runs of two minutes and their starts: past the suite's 300 s per test
 def test_chaos_run_of_two_minutes(tmp_path):
     """8 emulated nodes, two minutes of accelerator-like steps, a fault every 30 s: every invariant holds
     in every window, every node ends with success or hiersync's clear error, the final loss is the
