@@ -370,7 +370,8 @@ class TorchftRail:
         wait(self.allreduce(count, "the rail barrier after the quorum"))
         window.contributes = contributes
         # Every node healed in this quorum took its state from one that was not: at least one contributes.
-        window.contributors = max(1, round(float(count[1])))
+        # A failed barrier leaves garbage in ``count``; its window never commits, so its divisor is moot.
+        window.contributors = participants if window.error else max(1, round(float(count[1])))
         return window
 
     def reuse(self, marker: Marker) -> Window:
