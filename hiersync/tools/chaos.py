@@ -60,6 +60,11 @@ __all__ = ["ChaosConfig", "Event", "run_chaos", "analyze", "report", "add_argume
 logger = logging.getLogger(__name__)
 
 FAULTS = ("kill", "kill-rank", "freeze", "kill-source", "two", "partition")
+SENDING = "sending-{node}"
+"""A file a node creates in the run's folder when torchft asks it for its state (it heals a peer)."""
+SLOW_SEND = "slow-send"
+"""While this file is in the run's folder, a node asked for its state takes a second to hand it
+over, as a large model's state takes seconds to send: time enough to kill it while it sends."""
 
 
 def can_partition() -> bool:
@@ -152,6 +157,8 @@ class _Driver:
         self.source_hunt: tuple[float, int] | None = None  # (until, fault) waiting for a heal's source
         self.down: set[int] = set()  # killed or frozen, not yet back
         self.partitioned: dict[int, float] = {}  # node -> when its rule comes off
+        self._read_to: dict[int, int] = {}  # bytes of each node's progress file read so far
+        self._reached: dict[int, int] = {}  # the highest step each node reported
         step_s = (cfg.fwd_ms + cfg.bwd_ms) / 1000
         self.quiet_steps = int((cfg.restart_after + 15.0) / step_s)
         """No fault in the last steps of the run: a node killed then would find its peers finished."""
@@ -190,8 +197,9 @@ class _Driver:
         lighthouse_back: float | None = None
         while not self._finished():
             now = time.time()
+            reached = self._progress()
             if self.inject and now >= next_fault:
-                if self._progress() < self.steps - self.quiet_steps:
+                if reached < self.steps - self.quiet_steps:
                     self._inject(len(self.faults))
                 else:  # a node killed now would come back after the others finished: nobody to heal from
                     self.events.append(Event(now, "note", -1, len(self.faults), "no fault near the end of the run"))
@@ -206,7 +214,7 @@ class _Driver:
                 lighthouse_back = None
             self._housekeeping(now)
             if self.bar is not None:
-                self.bar(self._progress())
+                self.bar(reached)
             if now - started > 20 * max(cfg.seconds, 60.0):
                 raise TimeoutError(f"the chaos run was still going after {now - started:.0f} s")
             time.sleep(0.05)
@@ -268,9 +276,9 @@ class _Driver:
         for n in victims:
             self._kill(n, index, kind)
         if kind == "kill-source":
-            for f in Path(self.nodes.root).glob("sending-*"):
+            for f in Path(self.nodes.root).glob(SENDING.format(node="*")):
                 f.unlink()
-            (Path(self.nodes.root) / chaos_worker_slow_send()).touch()
+            (Path(self.nodes.root) / SLOW_SEND).touch()
             self.source_hunt = (t + cfg.restart_after + 30.0, index)
 
     def _kill(self, n: int, index: int, why: str) -> None:
@@ -302,7 +310,7 @@ class _Driver:
                 self.events.append(Event(time.time(), "restart", n))
         if self.source_hunt is not None:
             until, index = self.source_hunt
-            sources = [int(f.name.split("-")[1]) for f in Path(self.nodes.root).glob("sending-*")]
+            sources = [int(f.name.split("-")[1]) for f in Path(self.nodes.root).glob(SENDING.format(node="*"))]
             live = [n for n in sources if n not in self.down and self._running(n)]
             if live or now > until:
                 if live:
@@ -310,7 +318,7 @@ class _Driver:
                 else:
                     self.events.append(Event(now, "note", -1, index, "no heal source seen"))
                 self.source_hunt = None
-                (Path(self.nodes.root) / chaos_worker_slow_send()).unlink(missing_ok=True)
+                (Path(self.nodes.root) / SLOW_SEND).unlink(missing_ok=True)
         for n in range(self.cfg.nodes):  # a node that raised: print it, start it again (torchrun would)
             rec = self.nodes.nodes.get(n)
             if rec is None or self._running(n) or n in self.down or self._done(n):
@@ -339,13 +347,23 @@ class _Driver:
             return pickle.load(f)
 
     def _progress(self) -> int:
-        return min((max((s for _, s, _ in self.nodes.steps(n)), default=0) for n in range(self.cfg.nodes)), default=0)
-
-
-def chaos_worker_slow_send() -> str:
-    from .chaos_worker import SLOW_SEND
-
-    return SLOW_SEND
+        """The step every node has reached: the new lines of each progress file only (this runs
+        every 50 ms on the cores the nodes train on; the whole files are read once, at the end)."""
+        for n in range(self.cfg.nodes):
+            path = os.path.join(self.nodes.root, f"node{n}.progress")
+            try:
+                with open(path) as f:
+                    f.seek(self._read_to.get(n, 0))
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            done = chunk.rfind("\n") + 1  # a line still being written is read next time
+            self._read_to[n] = self._read_to.get(n, 0) + len(chunk[:done].encode())
+            for line in chunk[:done].splitlines():
+                parts = line.split()
+                if len(parts) >= 2:
+                    self._reached[n] = max(self._reached.get(n, 0), int(parts[1]))
+        return min((self._reached.get(n, 0) for n in range(self.cfg.nodes)), default=0)
 
 
 # ---------------------------------------------------------------------- analysis (pure)
