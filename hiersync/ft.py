@@ -230,11 +230,12 @@ class ManagerMode(SyncState):
         healed = 1.0 if self._healed else 0.0
         flag = torch.tensor([healed, -healed, float(self.step)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.intra)
-        if flag[0].item() == 0:
+        any_healed, minus_all_healed, last_step = flag.tolist()  # one host read
+        if any_healed == 0:
             return
         # Some rank not healed, past the start (torchft's init_sync may copy only some ranks' initial
         # state at step 0, which rank 0's broadcast below settles for a node of replicas).
-        if flag[1].item() != -1 and flag[2].item() > 0:
+        if minus_all_healed != -1 and last_step > 0:
             raise HierSyncError(
                 f"hiersync: node heal failed: torchft healed some ranks of this node from a live peer and not others "
                 f"(rank {self.rank} {'was' if self._healed else 'was not'}; a heal source that died while it sent?), "
