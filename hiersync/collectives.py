@@ -66,6 +66,8 @@ class HierComm:
         self.stats = stats if stats is not None else Stats()
         self.label = label
         self.world_size = self.topology.world_size
+        self.level: str = INTER
+        """The level its rail collectives are counted under in ``stats`` (``"rack"`` for a rack's)."""
         self._seq_rail = Sequencer()
         self._seq_late = Sequencer()
         # rs_ag on NCCL; allreduce_bcast on gloo, whose RS/AG are slow (vocab.default_intra_algorithm).
@@ -77,6 +79,14 @@ class HierComm:
                 f"intra_algorithm={intra_algorithm!r} is not supported; use one of {list(INTRA_ALGORITHMS)}"
             )
         self.intra_algorithm = intra_algorithm
+
+    def over(self, rail: Transport, level: str) -> HierComm:
+        """The same node, another cross-node leg: the averages of a higher level's sibling (a rack's
+        rail). Its node gathers share this one's issue order (the same intra groups)."""
+        other = HierComm(self.groups, self.stats, self.label, self.intra_algorithm, rail=rail)
+        other.level = level
+        other._seq_late = self._seq_late
+        return other
 
     # ------------------------------------------------------------- helpers
     def _phase(self, what: str) -> str:
@@ -181,7 +191,7 @@ class HierComm:
         def rail_leg() -> torch.futures.Future:
             return self.rail_allreduce(shard, "inter all-reduce on the rail")
 
-        self.stats.record(INTER, "all_reduce", N, shard_len * esize)
+        self.stats.record(self.level, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         ar = span("hiersync/inter_allreduce", ar)
         done = self._gather_shards(lambda: (flat, shard), shard_len, flat, ar, "all-gather")
@@ -348,7 +358,7 @@ class HierComm:
             raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
         shard.div_(self.rail_divisor())
         phase = self._phase("inter parameter all-reduce on the rail")
-        self.stats.record(INTER, "all_reduce", N, shard.numel() * shard.element_size())
+        self.stats.record(self.level, "all_reduce", N, shard.numel() * shard.element_size())
         try:
             fut = self._sequenced_rail_allreduce(shard, phase)
         except Exception as e:
@@ -377,7 +387,7 @@ class HierComm:
         piece = packed.numel() // N
         received = torch.empty_like(packed)
         phase = self._phase("inter all-to-all of quantized pieces on the rail")
-        self.stats.record(INTER, "all_to_all", N, packed.numel())
+        self.stats.record(self.level, "all_to_all", N, packed.numel())
         first = self._seq_rail.submit(
             ready_now(packed.device),
             lambda: self.rail_all_to_all(received, packed, phase),
@@ -393,7 +403,7 @@ class HierComm:
             cell.append(torch.empty(N * piece, dtype=packed.dtype, device=packed.device))
             return self.rail_all_gather(cell[0], mine, "inter all-gather of averaged pieces on the rail")
 
-        self.stats.record(INTER, "all_gather", N, N * piece)
+        self.stats.record(self.level, "all_gather", N, N * piece)
         done = self._seq_rail.submit(first, gather, packed.device, self._phase("inter all-gather of averaged pieces"))
         return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
 

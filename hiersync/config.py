@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .levels import HierLevel, hierarchy
 from .schedule import Schedule
 from .vocab import COMPRESS_CODES, COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB
 
@@ -84,11 +85,19 @@ class HierConfig:
     sync with their parameters (needs an attached optimizer); ``()``: the optimizer state stays local."""
     profile: Any = None
     """Calibration profile (path or ``costmodel.Profile``) for ``algorithm="auto"``."""
+    rack_period: int | None = None
+    """A third level between node and world (:mod:`hiersync.levels`): average parameters across
+    the nodes of each rack every ``rack_period`` steps (2..period-1; racks from
+    ``HIERSYNC_RACK_IDS`` or ``HIERSYNC_RACK_KEY``; needs an attached optimizer). None: two levels."""
     schedule: Schedule = field(init=False, repr=False, compare=False)
+    levels: tuple[HierLevel, ...] = field(init=False, repr=False, compare=False)
+    """The hierarchy, bottom to top: node, (rack,) world; ``schedule`` is the world's."""
 
     def __post_init__(self) -> None:
         schedule = Schedule(period=self.period, warmup_steps=self.warmup_steps, fragments=self.fragments)
         object.__setattr__(self, "schedule", schedule)
+        levels = hierarchy(self.period, self.warmup_steps, self.fragments, self.rack_period)
+        object.__setattr__(self, "levels", levels)
         if not isinstance(self.overlap, (bool, int)):
             raise TypeError(f"overlap must be a bool or an int number of steps, got {self.overlap!r}")
         if self.overlap and self.period < 2:

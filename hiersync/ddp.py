@@ -92,7 +92,8 @@ class HierState(SyncState):
         self._use(
             ReplicatedNodeAverager(
                 comm, self.registry, hook=self.averager, state_device=cfg.state_device, **options_of(cfg)
-            )
+            ),
+            plain=lambda level: ReplicatedNodeAverager(level, self.registry, state_device=cfg.state_device),
         )
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)
         self._buckets: list[_Bucket] = []

@@ -12,6 +12,8 @@ guard's hooks around ``optimizer.step()``, checkpoints (:mod:`hiersync.state_io`
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,17 +26,26 @@ from .collectives import HierComm
 from .config import HierConfig
 from .ddp_checks import check_attachable, check_constructible, check_optimizer_owns, unwrap_optimizer
 from .guard import NonFiniteGuard
+from .levels import RACK, HierLevel, due
 from .localsgd import HookAverager, Registry
 from .optstate import with_optimizer_state
 from .stats import Stats
 from .sync import Averager, CrossNodeSync, mean_into
-from .topology import Topology, check_layout, world_timeout
-from .transport import Window
+from .topology import ENV_RACK_IDS, ENV_RACK_KEY, Topology, check_layout, world_timeout
+from .transport import GroupRail, Window
 from .vocab import StepKind
 
-__all__ = ["SyncState"]
+__all__ = ["SyncState", "LevelEngine"]
 
 EXACT, SYNC = StepKind.EXACT, StepKind.SYNC
+
+
+@dataclass
+class LevelEngine:
+    """A cross-node level at run time: its place in the hierarchy and the engine that averages over it."""
+
+    level: HierLevel
+    engine: CrossNodeSync
 
 
 class SyncState:
@@ -66,16 +77,22 @@ class SyncState:
         self._world_group = dist.group.WORLD  # the groups below die with it
         self.backend = str(dist.get_backend())
         self.timeout = cfg.timeout if cfg.timeout is not None else world_timeout(process_group)
+        racks = cfg.rack_period is not None
         if comm is None:
             topology = topology if topology is not None else Topology.detect(process_group)
             self._check_topology(topology)
-            groups = topology.build_groups(process_group, timeout=self.timeout)
+            if racks:
+                _check_racks(topology)
+            groups = topology.build_groups(process_group, timeout=self.timeout, racks=racks)
             comm = HierComm(groups, Stats(), label=self._label, intra_algorithm=cfg.intra_algorithm)
         self.comm = comm
         self.topology, self.groups, self.stats = comm.topology, comm.groups, comm.stats
         self.registry = Registry()
         """The parameters hiersync averages, by position (checkpoints refer to these positions)."""
         self.engine: CrossNodeSync = None  # type: ignore[assignment]  # set by the front-end (_use)
+        """The top level's engine (the world's)."""
+        self.levels: list[LevelEngine] = []
+        """The cross-node levels, bottom to top (the last one's engine is :attr:`engine`)."""
         self.guard = NonFiniteGuard(cfg.nonfinite, self.rank, self.stats)
         self.step = 0
         """Synchronized backward passes completed (the schedule's step counter)."""
@@ -96,18 +113,46 @@ class SyncState:
     def _check_layout(self) -> None:
         """Log the layout and warn about one that defeats hierarchical sync (the manager mode logs its own)."""
         check_layout(self.topology, self.config.period, self.rank, detail=str(self.config))
+        racks = self.topology.racks
+        if self.config.rack_period is not None and racks is not None and self.rank == 0:
+            import warnings
 
-    def _use(self, averager: Averager) -> None:
-        """Build the engine over the front-end's averager."""
+            msg = None
+            if len(racks) == 1:
+                msg = "one rack holds every node, so the rack level averages what the world level does"
+            elif max(len(r) for r in racks) == 1:
+                msg = "every rack holds one node, so the rack level averages nothing"
+            if msg:
+                warnings.warn(f"hiersync: rack_period={self.config.rack_period} but {msg}", UserWarning, stacklevel=4)
+
+    def _use(self, averager: Averager, plain: Callable[[HierComm], Averager] | None = None) -> None:
+        """Build the engine of every cross-node level: the top one over the front-end's ``averager``,
+        a level below it over ``plain(comm)`` (the same kind of averager, fp32, on that level's rail)."""
         cfg = self.config
+        positions = lambda: state_io.model_positions(self)
+        self.levels = []
+        for level in cfg.levels[1:-1]:
+            assert level.name == RACK and plain is not None, level
+            rail = self.groups.rack_rail
+            comm = self.comm.over(GroupRail(rail, rail.size() if rail is not None else 1), RACK)
+            engine = CrossNodeSync(
+                plain(comm),
+                level.schedule,
+                overlap=0,
+                chunk_bytes=cfg.chunk_bytes,
+                transport=comm.rail,
+                model_positions=positions,
+            )
+            self.levels.append(LevelEngine(level, engine))
         self.engine = CrossNodeSync(
             averager,
             cfg.schedule,
             overlap=cfg.overlap,
             chunk_bytes=cfg.chunk_bytes,
             transport=self.comm.rail,
-            model_positions=lambda: state_io.model_positions(self),
+            model_positions=positions,
         )
+        self.levels.append(LevelEngine(cfg.levels[-1], self.engine))
 
     # ------------------------------------------------------------------ public
     @property
@@ -198,8 +243,9 @@ class SyncState:
         """Wait for every cross-node sync in flight and apply it to the parameters. Collective."""
         if self._model is not None:
             state_io.bootstrap_registry(self, self._model)
-        self.engine.launch_due()
-        self.engine.apply_corrections()
+        for lv in self.levels:
+            lv.engine.launch_due()
+            lv.engine.apply_corrections()
 
     def close(self) -> None:
         """Remove hiersync's hooks and destroy its process groups.
@@ -213,7 +259,8 @@ class SyncState:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.engine.close()  # and the registry: DDP keeps a hook's state alive as long as the model
+        for lv in self.levels:
+            lv.engine.close()  # and the registry: DDP keeps a hook's state alive as long as the model
         if self.hook_averager is not None:
             self.hook_averager.release()
         self.groups.destroy()
@@ -234,7 +281,13 @@ class SyncState:
     def _begin_step(self) -> StepKind:
         """A synchronized backward begins: settle the last verdict, launch a due sync; its kind."""
         self.guard.next_step()
-        self.engine.launch_due(f" on rank {self.rank}")
+        if len(self.levels) > 1 and self._optimizer is None:
+            raise RuntimeError(
+                f"hiersync: rack_period={self.config.rack_period} averages parameters after optimizer.step(): attach "
+                "the optimizer (state.attach_optimizer(optimizer), or hiersync.register(model, optimizer, ...))"
+            )
+        for lv in self.levels:
+            lv.engine.launch_due(f" on rank {self.rank}")
         self._kind = self.schedule.kind(self.step)
         return self._kind
 
@@ -247,8 +300,11 @@ class SyncState:
             if self._optimizer is not None and self.engine.averager.needs_anchor:
                 self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
-        if kind == SYNC and self._optimizer is not None:
-            self.engine.mark_due(step)  # after optimizer.step(), or before the next forward if it is skipped
+        if kind != EXACT and self._optimizer is not None:
+            names = due(self.config.levels, step)
+            for lv in self.levels:  # after optimizer.step(), or before the next forward if it is skipped
+                if lv.level.name in names:
+                    lv.engine.mark_due(step)
         self.step += 1
         return step
 
@@ -264,4 +320,22 @@ class SyncState:
         if not self._owner_checked:
             check_optimizer_owns(optimizer, self.registry.params)
             self._owner_checked = True
-        self.engine.after_step(self.step)
+        if len(self.levels) > 1:  # the top's corrections first: a lower level then averages them in
+            self.engine.apply_corrections(self.step)
+        for lv in self.levels:
+            lv.engine.after_step(self.step)
+
+
+def _check_racks(topology: Topology) -> None:
+    """A rack level needs racks, and nodes of equal size (its rail is a rail's piece)."""
+    if topology.racks is None:
+        raise ValueError(
+            f"rack_period is set but no racks are known: set {ENV_RACK_IDS} (one rack id per global rank, e.g. "
+            f"'0,0,0,0,1,1,1,1') or {ENV_RACK_KEY} (the name of a variable naming each rank's rack), or pass "
+            "topology=Topology.from_node_ids(node_ids, rack_ids)"
+        )
+    if not topology.even:
+        raise ValueError(
+            f"rack_period needs nodes with equal numbers of ranks; this job's nodes hold "
+            f"{[len(n) for n in topology.nodes]} ranks: drop rack_period"
+        )

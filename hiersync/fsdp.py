@@ -110,7 +110,10 @@ class FSDPState(SyncState):
         params = [p for p in model.parameters() if p.requires_grad]
         self.registry.register(params)
         cfg = self.config
-        self._use(ShardedNodeAverager(self.comm, self.registry, state_device=cfg.state_device, **options_of(cfg)))
+        self._use(
+            ShardedNodeAverager(self.comm, self.registry, state_device=cfg.state_device, **options_of(cfg)),
+            plain=lambda level: ShardedNodeAverager(level, self.registry, state_device=cfg.state_device),
+        )
         self._flags: list[torch.Tensor] = []
         self._model = model
         self._fsdp_modules: list[Any] = [m for m in model.modules() if is_fsdp2(m)]

@@ -395,6 +395,11 @@ def register_with_manager(
             "hiersync.register(model, optimizer, manager=...) needs the optimizer: a window's commit decides "
             "whether optimizer.step() applies on exact steps, and syncs run after it"
         )
+    if options.get("rack_period") is not None:
+        raise ValueError(
+            f"rack_period={options['rack_period']} does not combine with manager= in this version: torchft's replica "
+            "groups form one level across nodes; drop rack_period (or the manager)"
+        )
     fsdp = is_fsdp2(model)
     if not fsdp and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(

@@ -34,8 +34,10 @@ def save(state: SyncState) -> dict[str, Any]:
     momentum saved here) and saved as corrections still to apply. Collective when a
     sync step's average is still owed (it is launched here, as on every other node).
     """
-    state.engine.launch_due()
+    for lv in state.levels:
+        lv.engine.launch_due()
     engine = state.engine.state()
+    lower = {lv.level.name: lv.engine.state() for lv in state.levels[:-1]}
     return {
         "format": FORMAT,
         "frontend": state.FRONTEND,
@@ -48,6 +50,7 @@ def save(state: SyncState) -> dict[str, Any]:
         "model_positions": model_positions(state),
         "hook": state.hook_averager.state() if state.hook_averager is not None else None,
         **engine,
+        "levels": lower,
         "stats": state.stats.as_dict(),
     }
 
@@ -110,6 +113,10 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
     if state.hook_averager is not None:
         state.hook_averager.load(state_dict["hook"] or {})
     state.engine.load(state_dict["averager"], state_dict["in_flight"])
+    saved_levels = state_dict.get("levels") or {}
+    for lv in state.levels[:-1]:
+        got = saved_levels.get(lv.level.name)
+        lv.engine.load(got["averager"], got["in_flight"]) if got else lv.engine.load({}, [])
     state.step = step
     state._kind = None
     state._stepped_for = step

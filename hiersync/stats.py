@@ -59,7 +59,8 @@ class Stats:
     collectives: dict = field(default_factory=lambda: {INTRA: 0, INTER: 0})
     """Collectives issued by this rank per level."""
     bytes_sent: dict = field(default_factory=lambda: {INTRA: 0, INTER: 0})
-    """Bytes this rank sent per level (bandwidth-optimal accounting, see module doc)."""
+    """Bytes this rank sent per level (bandwidth-optimal accounting, see module doc); a rack level
+    adds ``"rack"``."""
     nonfinite_skips: int = 0
     """Steps whose update this rank skipped because a gradient was NaN/Inf."""
     nonfinite_sync_skips: int = 0
@@ -72,8 +73,8 @@ class Stats:
         if group_size <= 1:
             return
         with self._lock:
-            self.collectives[level] += 1
-            self.bytes_sent[level] += collective_bytes(kind, group_size, nbytes)
+            self.collectives[level] = self.collectives.get(level, 0) + 1
+            self.bytes_sent[level] = self.bytes_sent.get(level, 0) + collective_bytes(kind, group_size, nbytes)
 
     def count_step(self, kind: str, step: int) -> None:
         """One synchronized backward of ``kind`` (a :class:`~hiersync.vocab.StepKind`) at ``step``."""

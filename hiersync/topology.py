@@ -7,6 +7,8 @@ Vocabulary (used everywhere in hiersync):
 * *intra group*: the ranks of one node.
 * *rail*: the ranks with the same local rank across nodes (local rank 0 of every node,
   local rank 1 of every node, ...). On a real cluster rail r usually maps to NIC r.
+* *rack* (optional third level): a group of nodes, as a node is a group of ranks; the
+  *rack rail* of a rank is its rail restricted to the nodes of its rack.
 
 Ranks of a node need not be contiguous (``[0, 1, 0, 1]`` is two nodes of two ranks)
 and nodes may hold different numbers of ranks (*uneven*: ``[0, 0, 0, 1]``).
@@ -15,7 +17,9 @@ Detection (:meth:`Topology.detect`) groups ranks by host identity: one
 ``all_gather_object`` of ``(hostname, GROUP_RANK)``, where ``GROUP_RANK`` is set by
 torchrun for each agent, so one torchrun per emulated node is enough to make nodes on a
 single host. ``HIERSYNC_NODE_IDS="0,0,1,1"`` (one node id per global rank) overrides
-detection entirely. Note that ``ip netns exec`` keeps the hostname.
+detection entirely. Note that ``ip netns exec`` keeps the hostname. Racks come from
+``HIERSYNC_RACK_IDS`` (one rack id per global rank) or ``HIERSYNC_RACK_KEY`` (the name of an
+environment variable naming the rank's rack), the same way; without either there are none.
 
 Example::
 
@@ -39,7 +43,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Topology", "Groups", "ENV_NODE_IDS", "ENV_NODE_KEY", "parse_node_ids", "world_timeout", "check_layout"]
+__all__ = [
+    "Topology",
+    "Groups",
+    "ENV_NODE_IDS",
+    "ENV_NODE_KEY",
+    "ENV_RACK_IDS",
+    "ENV_RACK_KEY",
+    "parse_node_ids",
+    "world_timeout",
+    "check_layout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +61,12 @@ ENV_NODE_IDS = "HIERSYNC_NODE_IDS"
 ENV_NODE_KEY = "HIERSYNC_NODE_KEY"
 """The *name* of an environment variable whose value, read on each rank, names its node
 (e.g. ``SLURM_NODEID``, or a Kubernetes node name passed through the downward API)."""
+ENV_RACK_IDS = "HIERSYNC_RACK_IDS"
+"""One rack id per global rank (``"0,0,0,0,1,1,1,1"``): the third level, nodes grouped into racks."""
+ENV_RACK_KEY = "HIERSYNC_RACK_KEY"
+"""The *name* of an environment variable whose value, read on each rank, names its rack
+(e.g. a topology label of the scheduler: Kubernetes' ``topology.kubernetes.io/zone`` passed
+through the downward API, or a Slurm switch name)."""
 
 
 def world_timeout(process_group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
@@ -73,8 +93,9 @@ def world_timeout(process_group: dist.ProcessGroup | None = None) -> datetime.ti
     return None
 
 
-def parse_node_ids(text: str, world_size: int | None = None) -> list[int]:
-    """Parse ``"0,0,1,1"`` (one node id per global rank) into a list of ints."""
+def parse_node_ids(text: str, world_size: int | None = None, env: str = ENV_NODE_IDS) -> list[int]:
+    """Parse ``"0,0,1,1"`` (one node id per global rank; ``env``: whose value it is) into ints."""
+    what = "rack" if env == ENV_RACK_IDS else "node"
     parts = [p.strip() for p in text.split(",")]
     ids: list[int] = []
     for i, p in enumerate(parts):
@@ -82,15 +103,37 @@ def parse_node_ids(text: str, world_size: int | None = None) -> list[int]:
             ids.append(int(p))
         except ValueError:
             raise ValueError(
-                f"{ENV_NODE_IDS}={text!r}: entry {i} ({p!r}) is not an integer; "
-                f"expected one integer node id per global rank, e.g. '0,0,1,1'"
+                f"{env}={text!r}: entry {i} ({p!r}) is not an integer; "
+                f"expected one integer {what} id per global rank, e.g. '0,0,1,1'"
             ) from None
     if world_size is not None and len(ids) != world_size:
         raise ValueError(
-            f"{ENV_NODE_IDS}={text!r} has {len(ids)} entries but the world has {world_size} ranks; "
-            f"give exactly one node id per global rank"
+            f"{env}={text!r} has {len(ids)} entries but the world has {world_size} ranks; "
+            f"give exactly one {what} id per global rank"
         )
     return ids
+
+
+def _keys_from_env(ids_env: str, key_env: str, world: int, process_group) -> tuple[list[object] | None, str]:
+    """One key per global rank from ``ids_env`` (a list) or ``key_env`` (a variable's name, read on
+    every rank: collective), and where they came from; ``(None, "")`` when neither is set."""
+    import torch.distributed as dist
+
+    text = os.environ.get(ids_env)
+    if text:
+        return list(parse_node_ids(text, world, ids_env)), ids_env
+    var = os.environ.get(key_env, "").strip()
+    if not var:
+        return None, ""
+    keys: list[object] = [None] * world
+    dist.all_gather_object(keys, os.environ.get(var), group=process_group)
+    missing = [r for r, k in enumerate(keys) if k is None]
+    if missing:
+        raise ValueError(
+            f"{key_env}={var} but {var} is not set on ranks {missing[:8]}: set it on every rank "
+            f"(e.g. {ENV_NODE_KEY}=SLURM_NODEID under srun) or unset {key_env}"
+        )
+    return keys, f"{key_env}={var}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +146,8 @@ class Topology:
     _local: tuple[int, ...] = field(init=False, repr=False, compare=False)
     source: str = field(default="", repr=False, compare=False)
     """How the nodes were found (``Topology.detect``), for the log."""
+    racks: tuple[tuple[int, ...], ...] | None = None
+    """The third level, if any: the node indices of each rack (nodes ordered as ``nodes``)."""
 
     def __post_init__(self) -> None:
         ranks = sorted(r for node in self.nodes for r in node)
@@ -118,14 +163,50 @@ class Topology:
                 local[r] = i
         object.__setattr__(self, "_node_of", tuple(node_of))
         object.__setattr__(self, "_local", tuple(local))
+        if self.racks is not None:
+            flat = sorted(n for rack in self.racks for n in rack)
+            if any(len(r) == 0 for r in self.racks) or flat != list(range(len(self.nodes))):
+                raise ValueError(
+                    f"racks={self.racks!r} must hold node indices 0..{len(self.nodes) - 1} exactly once each"
+                )
+            object.__setattr__(self, "racks", tuple(tuple(sorted(r)) for r in sorted(self.racks, key=min)))
 
     # ----------------------------------------------------------------- builders
     @classmethod
-    def from_node_ids(cls, node_ids: Sequence[int]) -> Topology:
-        """Build from one node id per global rank, e.g. ``[0, 0, 1, 1]``.
+    def from_node_ids(cls, node_ids: Sequence[int], rack_ids: Sequence[object] | None = None) -> Topology:
+        """Build from one node id per global rank, e.g. ``[0, 0, 1, 1]``; ``rack_ids``: one rack
+        id per global rank (the same for every rank of a node), e.g. ``[0, 0, 0, 0, 1, 1, 1, 1]``.
 
         Node ids are arbitrary hashable integers; nodes are renumbered by their lowest rank.
         """
+        topo = cls._from_node_ids(node_ids)
+        return topo if rack_ids is None else topo.with_racks(rack_ids)
+
+    def with_racks(self, rack_ids: Sequence[object], source: str = "the given rack ids") -> Topology:
+        """This topology with its nodes grouped into racks: ``rack_ids`` holds one key per global
+        rank (equal keys: the same rack; every rank of a node in one rack)."""
+        if isinstance(rack_ids, (str, bytes)) or len(rack_ids) != self.world_size:
+            raise ValueError(
+                f"rack_ids={rack_ids!r}: give one rack id per global rank ({self.world_size} of them), "
+                "e.g. [0, 0, 0, 0, 1, 1, 1, 1]"
+            )
+        of_node: list[object] = []
+        for node in self.nodes:
+            ids = {rack_ids[r] for r in node}
+            if len(ids) != 1:
+                raise ValueError(
+                    f"the ranks {list(node)} of one node have rack ids {sorted(map(str, ids))}: every rank of a "
+                    f"node must name the same rack (fix {ENV_RACK_IDS} or {ENV_RACK_KEY})"
+                )
+            of_node.append(ids.pop())
+        racks: dict[object, list[int]] = {}
+        for n, rid in enumerate(of_node):
+            racks.setdefault(rid, []).append(n)
+        where = f"{self.source}; racks from {source}" if self.source else f"racks from {source}"
+        return Topology(nodes=self.nodes, source=where, racks=tuple(tuple(r) for r in racks.values()))
+
+    @classmethod
+    def _from_node_ids(cls, node_ids: Sequence[int]) -> Topology:
         if isinstance(node_ids, (str, bytes)) or not hasattr(node_ids, "__len__"):
             raise TypeError(f"node_ids must be a sequence of ints (one per global rank), got {node_ids!r}")
         if len(node_ids) == 0:
@@ -160,29 +241,22 @@ class Topology:
                 "torch.distributed.init_process_group() first (or use Topology.from_node_ids)"
             )
         world = dist.get_world_size(process_group)
-        env = os.environ.get(ENV_NODE_IDS)
-        if env:
-            topo = cls.from_node_ids(parse_node_ids(env, world))
-            object.__setattr__(topo, "source", f"{ENV_NODE_IDS}")
-            return topo
-        var = os.environ.get(ENV_NODE_KEY, "").strip()
-        if var:
-            keys: list[object] = [None] * world
-            dist.all_gather_object(keys, os.environ.get(var), group=process_group)
-            missing = [r for r, k in enumerate(keys) if k is None]
-            if missing:
-                raise ValueError(
-                    f"{ENV_NODE_KEY}={var} but {var} is not set on ranks {missing[:8]}: set it on every rank "
-                    f"(e.g. {ENV_NODE_KEY}=SLURM_NODEID under srun) or unset {ENV_NODE_KEY}"
-                )
-            topo = cls.from_keys(keys)
-            object.__setattr__(topo, "source", f"{ENV_NODE_KEY}={var}")
-            return topo
-        key = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
-        keys = [None] * world
-        dist.all_gather_object(keys, key, group=process_group)
+        topo = cls._detect_nodes(world, process_group)
+        rack_keys, where = _keys_from_env(ENV_RACK_IDS, ENV_RACK_KEY, world, process_group)
+        return topo if rack_keys is None else topo.with_racks(rack_keys, where)
+
+    @classmethod
+    def _detect_nodes(cls, world: int, process_group) -> Topology:
+        import torch.distributed as dist
+
+        keys, where = _keys_from_env(ENV_NODE_IDS, ENV_NODE_KEY, world, process_group)
+        if keys is None:
+            key = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
+            keys = [None] * world
+            dist.all_gather_object(keys, key, group=process_group)
+            where = "hostname + GROUP_RANK"
         topo = cls.from_keys(keys)
-        object.__setattr__(topo, "source", "hostname + GROUP_RANK")
+        object.__setattr__(topo, "source", where)
         return topo
 
     # ----------------------------------------------------------------- queries
@@ -230,6 +304,31 @@ class Topology:
     def rails(self) -> tuple[tuple[int, ...], ...]:
         return tuple(self.rail(i) for i in range(self.max_ranks_per_node))
 
+    # ----------------------------------------------------------------- racks
+    def rack_of(self, rank: int) -> int:
+        """Index of the rack that holds ``rank`` (needs racks)."""
+        if self.racks is None:
+            raise ValueError(f"this topology has no racks: set {ENV_RACK_IDS} or {ENV_RACK_KEY}")
+        node = self.node_of(rank)
+        return next(i for i, r in enumerate(self.racks) if node in r)
+
+    def rack_rail(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s rail restricted to the nodes of its rack (one rank per node there)."""
+        rack = self.racks[self.rack_of(rank)] if self.racks is not None else ()
+        lr = self.local_rank(rank)
+        return tuple(self.nodes[n][lr] for n in rack if lr < len(self.nodes[n]))
+
+    @property
+    def rack_rails(self) -> tuple[tuple[int, ...], ...]:
+        """Every rack's rails (rack by rack, local rank by local rank)."""
+        if self.racks is None:
+            return ()
+        out = []
+        for rack in self.racks:
+            for lr in range(max(len(self.nodes[n]) for n in rack)):
+                out.append(tuple(self.nodes[n][lr] for n in rack if lr < len(self.nodes[n])))
+        return tuple(out)
+
     @property
     def leaders(self) -> tuple[int, ...]:
         """Local rank 0 of every node (rail 0)."""
@@ -240,8 +339,10 @@ class Topology:
         nodes = list(map(list, self.nodes))
         shown = nodes if len(nodes) <= 4 else [*nodes[:2], "...", nodes[-1]]
         how = f", detected from {self.source}" if self.source else ""
+        sizes = sorted({len(r) for r in self.racks or ()})
+        racks = "" if self.racks is None else f" in {len(self.racks)} racks of {sizes} nodes"
         return (
-            f"{shape} ({self.num_nodes} nodes, {self.max_ranks_per_node} ranks per node at most, "
+            f"{shape} ({self.num_nodes} nodes{racks}, {self.max_ranks_per_node} ranks per node at most, "
             f"{len(self.rails)} rails, world {self.world_size}{how}): {shown}"
         )
 
@@ -251,8 +352,9 @@ class Topology:
         return rank
 
     # ----------------------------------------------------------------- groups
-    def build_groups(self, process_group: dist.ProcessGroup | None = None, timeout=None) -> Groups:
-        """Create this rank's intra and rail groups. Collective: every rank must call it.
+    def build_groups(self, process_group: dist.ProcessGroup | None = None, timeout=None, racks: bool = False) -> Groups:
+        """Create this rank's intra and rail groups (``racks``: and its rack rail). Collective:
+        every rank must call it.
 
         ``new_group`` must be called by every rank for every group in the same order, so
         all nodes' groups are created everywhere and each rank keeps its own.
@@ -295,7 +397,8 @@ class Topology:
         intra = make(self.nodes, "hiersync/intra{i}")
         intra_late = make(self.nodes, "hiersync/intra{i}_late")
         rail = make(self.rails, "hiersync/rail{i}")
-        return Groups(topology=self, rank=rank, intra=intra, intra_late=intra_late, rail=rail)
+        rack_rail = make(self.rack_rails, "hiersync/rack_rail{i}") if racks else None
+        return Groups(topology=self, rank=rank, intra=intra, intra_late=intra_late, rail=rail, rack_rail=rack_rail)
 
 
 @dataclass
@@ -307,6 +410,8 @@ class Groups:
     intra: dist.ProcessGroup | None
     intra_late: dist.ProcessGroup | None
     rail: dist.ProcessGroup | None
+    rack_rail: dist.ProcessGroup | None = None
+    """The rail inside this rank's rack (built only for a rack level)."""
 
     @property
     def node_size(self) -> int:
@@ -328,9 +433,10 @@ class Groups:
         """Destroy this rank's groups (local; collectives on them fail afterwards)."""
         import torch.distributed as dist
 
-        for g in {id(g): g for g in (self.intra, self.intra_late, self.rail) if g is not None}.values():
+        mine = (self.intra, self.intra_late, self.rail, self.rack_rail)
+        for g in {id(g): g for g in mine if g is not None}.values():
             dist.destroy_process_group(g)
-        self.intra = self.intra_late = self.rail = None
+        self.intra = self.intra_late = self.rail = self.rack_rail = None
 
 
 def check_layout(topo: Topology, period: int, rank: int, detail: str = "") -> list[str]:

@@ -49,6 +49,7 @@ def _options(cfg: dict) -> dict:
         outer_momentum=outer[1] if outer else 0.0,
         state_device=cfg.get("state_device"),
         average_optimizer_state=cfg.get("average_optimizer_state", ()),
+        rack_period=cfg.get("rack_period"),
     )
 
 
@@ -81,6 +82,8 @@ def fsdp_check(cfg: dict) -> dict:
     """hiersync over FSDP2 against ``cfg["reference"]``: "hsdp" (FSDP2's own HSDP) or "ddp"
     (hiersync's DDP front-end with the same options), compared after every step."""
     steps = cfg["steps"]
+    if "racks" in cfg:
+        os.environ["HIERSYNC_RACK_IDS"] = ",".join(map(str, cfg["racks"]))
     mesh = hiersync.node_mesh()
     torch.manual_seed(0)
     base = Blocks()

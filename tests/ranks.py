@@ -307,7 +307,11 @@ class Reference:
     def stream_after_step(self, step: int) -> None:
         """Streaming, after ``optimizer.step()`` of ``step``: apply due corrections, then sync the
         fragments whose turn it is (docs/design.md "Streaming"), written out by hand."""
-        k, F, tau, warm = self.cfg["period"], self.cfg["fragments"], self.cfg["tau"], self.cfg.get("warmup", 0)
+        self.apply_due(step)
+        self.launch_fragments(step)
+
+    def apply_due(self, step: int) -> None:
+        """Streaming: add the corrections due after ``step`` (the first half of an after-step)."""
         params = list(self.m.parameters())
         for _, f, corr in [job for job in self.in_flight if job[0] <= step]:
             group = [params[i] for i in self.layout[f]]
@@ -317,6 +321,11 @@ class Reference:
             group = [params[i] for i in self.layout[f]]
             self._state_write(group, self._state_flat(group) + corr)
         self.state_in_flight = [job for job in self.state_in_flight if job[0] > step]
+
+    def launch_fragments(self, step: int) -> None:
+        """Streaming: average the fragments whose turn it is after ``step`` (the second half)."""
+        k, F, tau, warm = self.cfg["period"], self.cfg["fragments"], self.cfg["tau"], self.cfg.get("warmup", 0)
+        params = list(self.m.parameters())
         if step < warm:
             return
         for f in range(F):
@@ -506,6 +515,10 @@ def localsgd_check(cfg: dict) -> dict:
 
 
 def _build(cfg: dict):
+    if "racks" in cfg:
+        import os
+
+        os.environ["HIERSYNC_RACK_IDS"] = ",".join(map(str, cfg["racks"]))
     torch.manual_seed(0)
     ddp = DDP(Net(), **cfg.get("ddp", {}))
     outer = cfg.get("outer")
@@ -518,6 +531,7 @@ def _build(cfg: dict):
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
         average_optimizer_state=("momentum_buffer",) if cfg.get("avg_state") else (),
+        rack_period=cfg.get("rack_period"),
     )
     ddp.register_comm_hook(state, hiersync.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)

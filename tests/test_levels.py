@@ -1,0 +1,111 @@
+"""A third level (node -> rack -> world): the pure hierarchy, and the engine against a
+hand-written three-level local SGD (tests/levels_ranks.py) on several emulated layouts."""
+
+from __future__ import annotations
+
+import fsdp_ranks
+import levels_ranks
+import pytest
+from harness import assert_checkpoint_resumes_exactly, launch
+
+from hiersync.config import HierConfig
+from hiersync.levels import due, hierarchy
+from hiersync.topology import Topology
+
+# (node ids, rack ids) per global rank
+LAYOUTS = {
+    "2 racks x 2 nodes x 1": ([0, 1, 2, 3], [0, 0, 1, 1]),
+    "2 racks x 1 node x 2": ([0, 0, 1, 1], [0, 0, 1, 1]),
+    "racks of non-contiguous nodes": ([0, 1, 2, 3], [0, 1, 0, 1]),
+    "uneven racks (3 + 1 nodes)": ([0, 1, 2, 3], [0, 0, 0, 1]),
+}
+
+
+def test_hierarchy_is_node_rack_world_with_their_periods():
+    levels = hierarchy(16, warmup_steps=2, rack_period=4)
+    assert [(lv.name, lv.schedule.period) for lv in levels] == [("node", 1), ("rack", 4), ("world", 16)]
+    steps = {s: due(levels, s) for s in range(2, 34) if due(levels, s)}
+    assert [s for s, d in steps.items() if d == ("world",)] == [17, 33]
+    assert [s for s, d in steps.items() if d == ("rack",)] == [5, 9, 13, 21, 25, 29]
+    assert [lv.name for lv in hierarchy(4)] == ["node", "world"]  # today's two levels
+
+
+def test_a_streaming_world_leaves_the_rack_its_steps():
+    levels = hierarchy(8, fragments=2, rack_period=4)
+    assert due(levels, 3) == ("rack", "world") and due(levels, 7) == ("rack", "world")
+
+
+@pytest.mark.parametrize(
+    "options, fix",
+    [
+        (dict(period=4, rack_period=4), "below period=4"),
+        (dict(period=4, rack_period=1), ">= 2"),
+        (dict(period=8, rack_period="4"), "an int"),
+    ],
+)
+def test_bad_rack_periods_name_the_fix(options, fix):
+    with pytest.raises((ValueError, TypeError), match=fix):
+        HierConfig(**options)
+
+
+def test_racks_from_rack_ids():
+    topo = Topology.from_node_ids([0, 0, 1, 1, 2, 2, 3, 3], [7, 7, 7, 7, 9, 9, 9, 9])
+    assert topo.racks == ((0, 1), (2, 3))
+    assert topo.rack_rail(5) == (5, 7) and topo.rack_of(5) == 1
+    assert topo.rack_rails == ((0, 2), (1, 3), (4, 6), (5, 7))
+    with pytest.raises(ValueError, match="same rack"):
+        Topology.from_node_ids([0, 0, 1, 1], [0, 1, 1, 1])
+
+
+CASES = {
+    "blocking": dict(mode="blocking", period=8, rack_period=2, warmup=1, steps=10),
+    "overlap + outer": dict(mode="overlap", period=6, rack_period=2, steps=9, outer=(0.7, 0.9)),
+    "streaming + outer": dict(mode="stream", period=8, rack_period=3, fragments=2, tau=2, steps=12, outer=(0.7, 0.9)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_three_levels_match_the_reference(case, layout):
+    nodes, racks = LAYOUTS[layout]
+    cfg = dict(CASES[case], racks=racks)
+    res = launch(levels_ranks.three_level_check, nodes, cfg)
+    r = res[0]
+    assert r["rack_steps"] and r["world_steps"], r
+    assert all(x["synchronized"] for x in res)
+    assert r["racks_differed"], "between world syncs the racks should drift apart"
+    multi_node_racks = len(set(racks)) < len(set(nodes))
+    if multi_node_racks:
+        assert r["bytes"].get("rack", 0) > 0, r["bytes"]
+        assert r["nodes_in_rack_differed"], "between rack syncs the nodes of a rack should drift apart"
+    else:  # a rack of one node: its level sends nothing
+        assert r["bytes"].get("rack", 0) == 0, r["bytes"]
+
+
+@pytest.mark.parametrize("layout", ["2 racks x 2 nodes x 1", "2 racks x 1 node x 2"])
+def test_fsdp2_three_levels_equal_the_ddp_front_end(layout):
+    nodes, racks = LAYOUTS[layout]
+    cfg = dict(reference="ddp", period=6, rack_period=2, fragments=2, tau=1, steps=8, outer=(0.7, 0.9), racks=racks)
+    res = launch(fsdp_ranks.fsdp_check, nodes, cfg)
+    assert all(r["synchronized"] for r in res)
+    assert res[0]["nodes_differed"]
+
+
+def test_checkpoint_between_rack_and_world_syncs_resumes_bitwise(tmp_path):
+    cfg = dict(mode="stream", period=8, rack_period=3, fragments=2, tau=2, outer=(0.7, 0.9), racks=[0, 0, 1, 1])
+    assert_checkpoint_resumes_exactly(cfg, str(tmp_path), 5, node_ids=[0, 1, 2, 3])  # a correction in flight
+
+
+def test_rack_period_without_racks_names_the_variables():
+    res = launch(levels_ranks.without_racks, [0, 1])
+    assert all("HIERSYNC_RACK_IDS" in r and "HIERSYNC_RACK_KEY" in r for r in res)
+
+
+def test_rack_period_with_a_manager_is_refused():
+    import torch
+
+    from hiersync.ft import register_with_manager
+
+    model = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    with pytest.raises(ValueError, match="rack_period=2 does not combine with manager="):
+        register_with_manager(model, object(), object(), period=4, rack_period=2)
