@@ -109,3 +109,51 @@ def test_rack_period_with_a_manager_is_refused():
     model = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
     with pytest.raises(ValueError, match="rack_period=2 does not combine with manager="):
         register_with_manager(model, object(), object(), period=4, rack_period=2)
+
+
+# ---------------------------------------------------------------- the cost model of three levels
+def test_the_spine_slows_a_rack_ordered_ring_only_beyond_nodes_per_rack():
+    from hiersync.costmodel import Link
+    from hiersync.costmodel.racks import cross_rack_link
+
+    nic = Link(5e-6, 1 / 50e9)
+    assert cross_rack_link(nic, 16, 4.0) == nic  # 16 nodes' NICs behind 4:1 uplinks: L flows fit
+    assert cross_rack_link(nic, 16, 64.0).beta == pytest.approx(4 * nic.beta)
+    assert cross_rack_link(nic, 16, 1.0, spine_latency_s=2e-6).alpha == pytest.approx(7e-6)
+
+
+def test_a_rack_level_pays_behind_a_slow_spine_and_not_behind_a_full_one():
+    from hiersync.costmodel import get_preset
+    from hiersync.costmodel.racks import price_levels, rack_verdict
+
+    def rows(o):
+        return price_levels(
+            get_preset("a100-1nic"),
+            params=1e9,
+            nodes=128,
+            nodes_per_rack=8,
+            oversubscription=o,
+            compute_s=0.3,
+            rack_period=4,
+            period=16,
+        )
+
+    slow, full = rows(32.0), rows(1.0)
+    two, three = slow[0], slow[2]
+    # hand-computed amortization: the world every 16 steps, the rack on the other 3 of every 4 sync steps
+    assert three.step_s == pytest.approx(0.3 + three.world_s / 16 + three.rack_s * (1 / 4 - 1 / 16))
+    assert two.step_s == pytest.approx(0.3 + two.world_s / 4)
+    assert three.rack_s < three.world_s / 3  # 8 nodes at the NIC's rate against 128 behind a 4x slower spine
+    assert "pays" in rack_verdict(slow, 8, 32.0)
+    assert "buys little" in rack_verdict(full, 8, 1.0)
+    assert three.spine_bytes == pytest.approx(two.spine_bytes / 4)
+
+
+def test_plan_prints_the_three_levels(capsys):
+    from hiersync.cli import main
+
+    argv = "plan --preset a100-1nic --nodes 128 --params 1e9 --backward-ms 200 --forward-ms 100"
+    main([*argv.split(), "--nodes-per-rack", "8", "--oversubscription", "32"])
+    out = capsys.readouterr().out
+    assert "Three levels: node -> rack (8 nodes) -> world (128 nodes)" in out
+    assert "a rack level pays" in out and "rack_period=4" in out

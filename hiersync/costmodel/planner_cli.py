@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import replace
+from typing import Any
 
 from hiersync import costmodel as cm
 
@@ -251,6 +252,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DETECT_S,
         help=f"collective timeout the survivors wait before dropping a dead node (default {DEFAULT_DETECT_S:g})",
     )
+    racks = parser.add_argument_group("a third level: racks (node -> rack -> world)")
+    racks.add_argument("--nodes-per-rack", type=int, help="price a rack level too: nodes behind one top-of-rack switch")
+    racks.add_argument(
+        "--oversubscription",
+        type=float,
+        default=1.0,
+        help="a rack's NIC capacity over its uplink capacity (default 1: a non-blocking spine); also the slow-down of "
+        "cross-rack bandwidth for any other reason (a shared spine, racks in other buildings)",
+    )
+    racks.add_argument("--spine-latency-us", type=float, default=0.0, help="extra latency per hop across racks")
+    racks.add_argument("--rack-period", type=int, default=4, help="rack_period to price (default 4)")
+    racks.add_argument("--world-period", type=int, help="the world's period with a rack level (default 4 x rack)")
     parser.add_argument(
         "--warmup-steps",
         type=int,
@@ -286,10 +299,34 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None
     print(format_plan(plan))
+    if args.nodes_per_rack:
+        _print_levels(args, plan)
     rec = plan.recommended
     state = plan.params * (DTYPE_BYTES[plan.dtype] + ADAMW_STATE_BYTES) + (plan.memory.total if plan.memory else 0.0)
     _print_failures(args, plan.profile, (rec.period or 1) * rec.step_s, state)
     return 0
+
+
+def _print_levels(args: argparse.Namespace, plan: Any) -> None:
+    from .racks import format_levels, price_levels
+
+    top = args.world_period or 4 * args.rack_period
+    try:
+        rows = price_levels(
+            plan.profile,
+            params=plan.params,
+            nodes=plan.profile.nodes,
+            nodes_per_rack=args.nodes_per_rack,
+            oversubscription=args.oversubscription,
+            compute_s=plan.compute_s,
+            rack_period=args.rack_period,
+            period=top,
+            bytes_per_param=DTYPE_BYTES[plan.dtype],
+            spine_latency_s=args.spine_latency_us * 1e-6,
+        )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan: error: {err}") from None
+    print(format_levels(rows, plan.profile.nodes, args.nodes_per_rack, args.oversubscription))
 
 
 def _steps_penalty(args: argparse.Namespace) -> StepsPenalties | None:

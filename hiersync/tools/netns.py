@@ -8,6 +8,7 @@ and signals turned into ``KeyboardInterrupt`` so every cleanup runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -15,9 +16,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("hiersync.tools.testbed")
 
 __all__ = [
     "NS_PREFIX",
@@ -34,6 +38,11 @@ __all__ = [
     "kill",
     "signals_raise",
     "tail",
+    "shape_tbf",
+    "shape_by_destination",
+    "write_hosts",
+    "remove_namespaces",
+    "stop_agents",
 ]
 
 DEFAULT_RATE = "800mbit"
@@ -75,6 +84,25 @@ def run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProce
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
+
+
+def shape_tbf(ns: str, dev: str, rate: str, burst: str, latency: str) -> None:
+    """Shape ``dev``'s egress in namespace ``ns`` to ``rate`` (one tbf)."""
+    tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+    run_ip(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+
+
+def shape_by_destination(ns: str, dev: str, near_rate: str, near: Sequence[str], far_rate: str, burst: str) -> None:
+    """Shape ``dev``'s egress per destination (htb): ``near_rate`` to the addresses ``near``,
+    ``far_rate`` to every other one (a rack's nodes and the spine)."""
+    tc = ["tc", "-n", ns]
+    run_ip([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
+    for cls, rate in (("1:10", near_rate), ("1:20", far_rate)):
+        run_ip([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", rate, "ceil", rate,
+                "burst", burst])  # fmt: skip
+    for addr in near:
+        run_ip([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                "dst", f"{addr}/32", "flowid", "1:10"])  # fmt: skip
 
 
 def emulation_available() -> tuple[bool, str]:
@@ -188,3 +216,60 @@ def tail(path: Path | None, lines: int = 40) -> str:
         return ""
     text = path.read_text(errors="replace").splitlines()
     return "\n".join(text[-lines:])
+
+
+def write_hosts(ns: str, names: Sequence[tuple[str, str]]) -> Path:
+    """Add ``(address, name)`` pairs to namespace ``ns``'s /etc/hosts; the folder written.
+
+    ``ip netns exec`` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts: naming the testbed
+    addresses there lets c10d's reverse lookups succeed instead of warning and retrying.
+    """
+    try:
+        base = Path("/etc/hosts").read_text()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    # c10d's sockets are dual-stack, so peers appear as v4-mapped IPv6 addresses too.
+    lines = "".join(f"{prefix}{addr} {name}\n" for addr, name in names for prefix in ("", "::ffff:"))
+    d = Path("/etc/netns") / ns
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "hosts").write_text(base.rstrip("\n") + "\n" + lines)
+    return d
+
+
+def remove_namespaces(names: Sequence[str], etc_dirs: Sequence[Path] = ()) -> None:
+    """Kill what still runs in each namespace of ``names``, delete them and their /etc folders."""
+    for ns in names:
+        try:
+            pids = ns_pids(ns)
+            if pids:  # only processes the testbed started can live in its namespaces
+                logger.warning("testbed: killing %d leftover processes in %s", len(pids), ns)
+                kill(pids, signal.SIGKILL)
+                time.sleep(0.1)
+            # Deleting a namespace destroys its veth end, which destroys the peer too.
+            run_ip(["ip", "netns", "del", ns], check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:  # keep removing the others
+            logger.error("testbed: could not remove namespace %s: %s (remove it with 'ip netns del %s')", ns, e, ns)
+    for d in etc_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def stop_agents(procs: Sequence[subprocess.Popen], namespaces: Sequence[str] = ()) -> None:
+    """SIGTERM each running agent (torchrun stops its ranks), then SIGKILL anything left of their
+    process trees and in ``namespaces``."""
+    running = [p for p in procs if p.poll() is None]
+    tree = {p.pid: descendants(p.pid) for p in procs}
+    if running:
+        kill([p.pid for p in running], signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(p.poll() is None for p in running):
+            time.sleep(0.1)
+    leftovers = [pid for pids in tree.values() for pid in pids if pid_alive(pid)]
+    for ns in namespaces:
+        leftovers += ns_pids(ns)
+    leftovers += [p.pid for p in procs if p.poll() is None]
+    if leftovers:
+        logger.debug("testbed: killing leftover processes %s", sorted(set(leftovers)))
+        kill(sorted(set(leftovers)), signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)

@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -46,16 +45,18 @@ from .netns import (
     DEFAULT_RATE,
     IP_TIMEOUT_S,
     NS_PREFIX,
-    descendants,
     emulation_available,
-    kill,
     ns_pids,
     parse_rate,
-    pid_alive,
+    remove_namespaces,
     run_ip,
+    shape_by_destination,
+    shape_tbf,
     signals_raise,
     stale_namespaces,
+    stop_agents,
     tail,
+    write_hosts,
 )
 
 __all__ = [
@@ -96,6 +97,11 @@ class Testbed:
         inter_rate: tc rate of each node's egress, e.g. ``"800mbit"``; ``None`` = unshaped veths.
         burst, latency: tbf's bucket size and queueing limit (defaults 256kb, 100ms).
         loopback: skip the namespaces even where they are available (plain 127.0.0.1).
+        nodes_per_rack: group consecutive nodes into racks of this many (a third level): each node's
+            ranks get ``HIERSYNC_RACK_KEY`` naming its rack, and with ``world_rate`` its egress is
+            shaped per destination (htb): ``inter_rate`` to the nodes of its rack, ``world_rate``
+            to every other node (the spine).
+        world_rate: tc rate of a node's traffic to other racks (needs ``nodes_per_rack``).
 
     Use it as a context manager: the network exists inside the ``with`` block only. Without
     root or iproute2 (or when building the namespaces fails) it logs a warning and runs on
@@ -113,6 +119,8 @@ class Testbed:
         burst: str = "256kb",
         latency: str = "100ms",
         loopback: bool = False,
+        nodes_per_rack: int | None = None,
+        world_rate: str | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= _MAX_NODES:
             raise ValueError(f"nodes={nodes!r} must be an int in 1..{_MAX_NODES}")
@@ -126,6 +134,18 @@ class Testbed:
             raise ValueError(f"burst={burst!r} is not a tc size; use e.g. '256kb'")
         if not _TIME_RE.match(str(latency)):
             raise ValueError(f"latency={latency!r} is not a tc time; use e.g. '100ms'")
+        if nodes_per_rack is not None and (
+            isinstance(nodes_per_rack, bool) or not isinstance(nodes_per_rack, int) or not 1 <= nodes_per_rack <= nodes
+        ):
+            raise ValueError(f"nodes_per_rack={nodes_per_rack!r} must be an int in 1..nodes={nodes}")
+        if world_rate is not None:
+            if nodes_per_rack is None:
+                raise ValueError(f"world_rate={world_rate!r} shapes the links between racks: give nodes_per_rack too")
+            if inter_rate is None:
+                raise ValueError(f"world_rate={world_rate!r} needs inter_rate (the rate inside a rack)")
+            parse_rate(world_rate)
+        self.nodes_per_rack = nodes_per_rack
+        self.world_rate = world_rate
         self.nodes = nodes
         self.procs_per_node = procs_per_node
         self.inter_rate = inter_rate
@@ -171,7 +191,17 @@ class Testbed:
         link = (
             f"tbf {self.inter_rate} burst {self.burst} latency {self.latency}" if self.inter_rate else "unshaped veth"
         )
-        return f"{shape} in network namespaces, inter-node link {link}"
+        if self.nodes_per_rack is None:
+            return f"{shape} in network namespaces, inter-node link {link}"
+        racks = f"racks of {self.nodes_per_rack} nodes"
+        if self.world_rate:
+            rates = f"htb {self.inter_rate} inside a rack, {self.world_rate} across"
+            return f"{shape} in network namespaces, {racks}: {rates}"
+        return f"{shape} in network namespaces, {racks}, inter-node link {link}"
+
+    def rack_of(self, node: int) -> int | None:
+        """The rack of ``node`` (consecutive nodes, ``nodes_per_rack`` of them); None without racks."""
+        return None if self.nodes_per_rack is None else node // self.nodes_per_rack
 
     def __enter__(self) -> Testbed:
         self.up()
@@ -239,44 +269,14 @@ class Testbed:
             run_ip(["ip", "-n", ns, "link", "set", IFNAME, "up"])
             run_ip(["ip", "-n", ns, "link", "set", "lo", "up"])
             self._write_hosts(ns)
-            if self.inter_rate:
-                run_ip(
-                    [
-                        "tc",
-                        "-n",
-                        ns,
-                        "qdisc",
-                        "add",
-                        "dev",
-                        IFNAME,
-                        "root",
-                        "tbf",
-                        "rate",
-                        self.inter_rate,
-                        "burst",
-                        self.burst,
-                        "latency",
-                        self.latency,
-                    ]
-                )
+            if self.world_rate:
+                self._shape_by_rack(ns, i)
+            elif self.inter_rate:
+                shape_tbf(ns, IFNAME, self.inter_rate, self.burst, self.latency)
 
     def _write_hosts(self, ns: str) -> None:
-        # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts: naming the testbed
-        # addresses there lets c10d's reverse lookups succeed instead of warning and retrying.
-        try:
-            base = Path("/etc/hosts").read_text()
-        except OSError:
-            base = "127.0.0.1 localhost\n"
-        # c10d's sockets are dual-stack, so peers appear as v4-mapped IPv6 addresses too.
-        names = "".join(
-            f"{prefix}{_SUBNET[0]}.{_SUBNET[1]}.0.{i + 1} {self.tag}-node{i}\n"
-            for i in range(self.nodes)
-            for prefix in ("", "::ffff:")
-        )
-        d = Path("/etc/netns") / ns
-        d.mkdir(parents=True, exist_ok=True)
-        self._etc_dirs.append(d)
-        (d / "hosts").write_text(base.rstrip("\n") + "\n" + names)
+        names = [(f"{_SUBNET[0]}.{_SUBNET[1]}.0.{i + 1}", f"{self.tag}-node{i}") for i in range(self.nodes)]
+        self._etc_dirs.append(write_hosts(ns, names))
 
     def down(self) -> None:
         """Kill whatever still runs in the namespaces, then delete them. Idempotent."""
@@ -289,20 +289,7 @@ class Testbed:
         self.emulated = False
 
     def _remove_namespaces(self) -> None:
-        names = list(self.namespaces) + ([self._switch] if self._switch else [])
-        for ns in names:
-            try:
-                pids = ns_pids(ns)
-                if pids:  # only processes this testbed started can live in its namespaces
-                    logger.warning("testbed: killing %d leftover processes in %s", len(pids), ns)
-                    kill(pids, signal.SIGKILL)
-                    time.sleep(0.1)
-                # Deleting a namespace destroys its veth end, which destroys the peer too.
-                run_ip(["ip", "netns", "del", ns], check=False)
-            except (OSError, subprocess.TimeoutExpired) as e:  # keep removing the others
-                logger.error("testbed: could not remove namespace %s: %s (remove it with 'ip netns del %s')", ns, e, ns)
-        for d in self._etc_dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        remove_namespaces(list(self.namespaces) + ([self._switch] if self._switch else []), self._etc_dirs)
         self._etc_dirs = []
         self.namespaces = []
         self._switch = None
@@ -320,6 +307,16 @@ class Testbed:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=True)
         return int(out.stdout.strip())
 
+    def _shape_by_rack(self, ns: str, node: int) -> None:
+        """The node's egress: ``inter_rate`` to its rack's nodes, ``world_rate`` to the rest."""
+        assert self.inter_rate is not None and self.world_rate is not None
+        rack = [
+            f"{_SUBNET[0]}.{_SUBNET[1]}.0.{j + 1}"
+            for j in range(self.nodes)
+            if j != node and self.rack_of(j) == self.rack_of(node)
+        ]
+        shape_by_destination(ns, IFNAME, self.inter_rate, rack, self.world_rate, self.burst)
+
     def node_env(self, node: int) -> dict[str, str]:
         """Environment of node ``node``'s torchrun (and so of its ranks)."""
         env = dict(os.environ)
@@ -335,6 +332,8 @@ class Testbed:
                 "HIERSYNC_TESTBED_EMULATED": "1" if self.emulated else "0",
             }
         )
+        if self.nodes_per_rack is not None:  # Topology.detect groups the nodes into racks from it
+            env.update({"HIERSYNC_TESTBED_RACK": str(self.rack_of(node)), "HIERSYNC_RACK_KEY": "HIERSYNC_TESTBED_RACK"})
         return env
 
     def torchrun_command(
@@ -446,24 +445,7 @@ class Testbed:
                     f.close()
 
     def _terminate(self, procs: Sequence[subprocess.Popen]) -> None:
-        """SIGTERM each running agent (it stops its ranks), then SIGKILL anything left."""
-        running = [p for p in procs if p.poll() is None]
-        tree = {p.pid: descendants(p.pid) for p in procs}
-        if running:
-            kill([p.pid for p in running], signal.SIGTERM)
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and any(p.poll() is None for p in running):
-                time.sleep(0.1)
-        leftovers = [pid for pids in tree.values() for pid in pids if pid_alive(pid)]
-        for ns in self.namespaces:
-            leftovers += ns_pids(ns)
-        leftovers += [p.pid for p in procs if p.poll() is None]
-        if leftovers:
-            logger.debug("testbed: killing leftover processes %s", sorted(set(leftovers)))
-            kill(sorted(set(leftovers)), signal.SIGKILL)
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
+        stop_agents(procs, self.namespaces)
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -474,6 +456,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", default="256kb", help="tbf burst")
     parser.add_argument("--latency", default="100ms", help="tbf latency (queue limit)")
     parser.add_argument("--loopback", action="store_true", help="do not build namespaces; plain loopback")
+    parser.add_argument(
+        "--nodes-per-rack", type=int, default=None, help="group consecutive nodes into racks (a third level)"
+    )
+    parser.add_argument(
+        "--world-rate", default=None, help="tc rate of a node's traffic to other racks (--inter-rate: inside its rack)"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
     parser.add_argument("--log-dir", default=None, help="write node<i>.log there instead of this terminal")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args] (or -- -m module [args])")
@@ -486,7 +474,14 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         raise ValueError("give the script to run after '--', e.g. -- train.py --epochs 1")
     with Testbed(
-        args.nodes, args.procs_per_node, args.inter_rate, burst=args.burst, latency=args.latency, loopback=args.loopback
+        args.nodes,
+        args.procs_per_node,
+        args.inter_rate,
+        burst=args.burst,
+        latency=args.latency,
+        loopback=args.loopback,
+        nodes_per_rack=args.nodes_per_rack,
+        world_rate=args.world_rate,
     ) as tb:
         logger.info("testbed: running %s on %s", " ".join(command), tb.describe())
         try:
