@@ -58,16 +58,23 @@ def run_ranks(
     pg_timeout: float = 120.0,
     log_dir: str | os.PathLike | None = None,
     poll: Callable[[], None] | None = None,
+    nodes_per_rack: int | None = None,
+    world_rate: str | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """Run ``target(config)`` (``"module:function"``) on every rank of an emulated cluster.
 
     Returns the per-rank return values (picklable) and a description of where they ran
     (``mode`` is ``"netns"`` or ``"loopback"``). On the testbed every node runs a torchrun
     agent; on loopback the ranks are forked by :func:`hiersync._launch.run` with
-    ``HIERSYNC_NODE_IDS`` describing the emulated nodes.
+    ``HIERSYNC_NODE_IDS`` describing the emulated nodes. ``nodes_per_rack``: consecutive nodes
+    form racks (``HIERSYNC_RACK_KEY`` on the testbed, ``HIERSYNC_RACK_IDS`` on loopback);
+    ``world_rate``: the testbed's rate between racks.
     """
     resolve(target)  # fail here, not in every rank
-    with Testbed(nodes, procs_per_node, inter_rate, loopback=loopback) as tb:
+    bed = Testbed(
+        nodes, procs_per_node, inter_rate, loopback=loopback, nodes_per_rack=nodes_per_rack, world_rate=world_rate
+    )
+    with bed as tb:
         info = {
             "mode": "netns" if tb.emulated else "loopback",
             "nodes": nodes,
@@ -76,6 +83,8 @@ def run_ranks(
             "burst": tb.burst if tb.emulated else None,
             "latency": tb.latency if tb.emulated else None,
             "describe": tb.describe(),
+            "nodes_per_rack": nodes_per_rack,
+            "world_rate": tb.world_rate if tb.emulated else None,
             "fallback_reason": tb.fallback_reason,
         }
         if not tb.emulated:
@@ -90,9 +99,20 @@ def run_ranks(
 
                 ticker = threading.Thread(target=tick, name="hiersync-poll", daemon=True)
                 ticker.start()
+            env = (
+                {}
+                if nodes_per_rack is None
+                else {"HIERSYNC_RACK_IDS": ",".join(str(n // nodes_per_rack) for n in node_ids)}
+            )
             try:
                 results = launch_ranks(
-                    call, tb.world_size, (target, config), node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout
+                    call,
+                    tb.world_size,
+                    (target, config),
+                    node_ids=node_ids,
+                    env=env,
+                    timeout=timeout,
+                    pg_timeout=pg_timeout,
                 )
             finally:
                 stop.set()
