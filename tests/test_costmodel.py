@@ -417,7 +417,7 @@ def test_nccl_anchor_tree_up_to_multi_gb_at_128x8():
 
 
 def test_presets_are_sound():
-    assert set(cm.PRESETS) == {"h100-8rail", "a100-1nic", "pcie-25gbe", "emulated"}
+    assert set(cm.PRESETS) == {"h100-8rail", "p5-efa", "a100-1nic", "pcie-25gbe", "emulated"}
     for name, prof in cm.PRESETS.items():
         assert prof.name == name and prof.source
         assert prof.intra.bandwidth > prof.inter.bandwidth

@@ -29,7 +29,10 @@ NCCL's tuner estimates, from what it is told (the network plugin's *reported* la
 step latency (:attr:`Fabric.net_latency_us`); the tree's network posts, one per chunk,
 channel and message at NCCL's own post overhead (:func:`_tree_posts_s`; NCCL charges it to
 ring steps only); and NVLS's and NVLSTree's mid-size shortfall on Hopper (NCCL corrects only
-its trees there; the same table, :data:`NVLS_SIZE_CORRECTION`).
+its trees there; the same table, :data:`NVLS_SIZE_CORRECTION`); and the switch tiers a job
+spans beyond one leaf (:func:`switch_tiers`), each keeping :attr:`Fabric.tier_efficiency` of
+the network bandwidth (flows hashed onto shared uplinks collide; NCCL's tuner assumes a flat
+network).
 
 Bandwidths follow NCCL's convention: a *bus* bandwidth (``busbw``, the figure nccl-tests
 prints for rings), turned into the algorithm bandwidth by ``p / (2(p - 1))`` for ring, NVLS
@@ -70,6 +73,7 @@ __all__ = [
     "allreduce_choices",
     "allreduce",
     "ring_collective",
+    "switch_tiers",
 ]
 
 ALGORITHMS = ("tree", "ring", "nvls", "nvls_tree")
@@ -178,6 +182,13 @@ class Fabric:
     host_cpu: str = "intel"
     """The nodes' CPU vendor (:data:`HOST_CPUS`): NCCL caps LL's bandwidth across nodes by it
     (:data:`LL_MAX_BUSBW_NODES`) and charges its network post overhead (:data:`NET_OVERHEAD_US`)."""
+    leaf_nodes: int = 0
+    """Nodes one leaf switch (one switch of a rail) connects; a job on more spans
+    :func:`switch_tiers` tiers above it. 0: one flat switch, no tiers (NCCL's own model)."""
+    tier_efficiency: float = 1.0
+    """Fraction of the network bandwidth kept per switch tier a job spans above its leaf: the
+    flows that cross the upper tiers are hashed onto shared uplinks, collide, and the pipelined
+    ring or tree runs at its slowest link. 1: no loss (InfiniBand's adaptive routing)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.channels < 1:
@@ -195,6 +206,15 @@ class Fabric:
             raise ValueError(f"Fabric.net_latency_us must be >= 0, got {self.net_latency_us!r}")
         if self.host_cpu not in HOST_CPUS:
             raise ValueError(f"unknown host_cpu {self.host_cpu!r}; valid: {', '.join(HOST_CPUS)}")
+        if (
+            isinstance(self.leaf_nodes, bool)
+            or not isinstance(self.leaf_nodes, int)
+            or self.leaf_nodes == 1
+            or self.leaf_nodes < 0
+        ):
+            raise ValueError(f"Fabric.leaf_nodes must be 0 (one flat switch) or an int >= 2, got {self.leaf_nodes!r}")
+        if not 0 < self.tier_efficiency <= 1:
+            raise ValueError(f"Fabric.tier_efficiency must be in (0, 1] (1: no loss), got {self.tier_efficiency!r}")
         if self.tuner_net_latency_us is not None and not self.tuner_net_latency_us >= 0:
             raise ValueError(
                 f"Fabric.tuner_net_latency_us must be >= 0 or None (as measured), got {self.tuner_net_latency_us!r}"
@@ -215,6 +235,27 @@ class Choice:
     algbw: float
     """Algorithm bandwidth in bytes/s (message bytes per second), size corrections included."""
     time_s: float
+
+
+def switch_tiers(nodes: int, leaf_nodes: int) -> int:
+    """Switch tiers a job of ``nodes`` spans above its leaf, in a fat tree whose every switch
+    joins ``leaf_nodes`` units of the tier below: 0 within one leaf (or ``leaf_nodes`` 0, a flat
+    network), 1 up to ``leaf_nodes**2`` nodes, 2 up to ``leaf_nodes**3``.
+
+    >>> [switch_tiers(n, 8) for n in (8, 16, 64, 65, 248)]
+    [0, 1, 1, 2, 2]
+    """
+    if leaf_nodes < 2:
+        return 0
+    tiers, reach = 0, leaf_nodes
+    while reach < nodes:
+        tiers, reach = tiers + 1, reach * leaf_nodes
+    return tiers
+
+
+def _tier_factor(fab: Fabric) -> float:
+    """The network bandwidth a job keeps across its switch tiers: ``tier_efficiency ** tiers``."""
+    return fab.tier_efficiency ** switch_tiers(fab.nodes, fab.leaf_nodes) if fab.nodes > 1 else 1.0
 
 
 def _node_index(nodes: int) -> int:
@@ -359,6 +400,8 @@ def _choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...], *, tuner: 
                 continue
             ratio = 0.5 if algo == "tree" else p / (2 * (p - 1))
             algbw = busbw * ratio * _size_factor(algo, proto, n, fab, tuner=tuner) * 1e9
+            if not tuner:  # NCCL's tuner sees a flat network; the switch tiers cost bandwidth
+                algbw *= _tier_factor(fab)
             if algo == "tree" and not tuner and n > 0:
                 algbw = n / (n / algbw + _tree_posts_s(proto, n, fab))
             lat = _latency_us(algo, proto, fab, net_us) * 1e-6
@@ -377,8 +420,9 @@ def tuner_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = ALGO
 
 def allreduce_choices(nbytes: float, fab: Fabric, algorithms: tuple[str, ...] = ALGORITHMS) -> list[Choice]:
     """Every (algorithm, protocol) NCCL may run for an all-reduce of ``nbytes``, with the time it
-    takes: the tuner's estimate on the fabric's measured latency, with NVLS's mid-size shortfall and
-    the tree's network posts (:func:`_tree_posts_s`) included."""
+    takes: the tuner's estimate on the fabric's measured latency, with NVLS's mid-size shortfall,
+    the tree's network posts (:func:`_tree_posts_s`) and the switch tiers' bandwidth loss
+    (:func:`switch_tiers`, :attr:`Fabric.tier_efficiency`) included."""
     return _choices(nbytes, fab, algorithms, tuner=False)
 
 
@@ -428,7 +472,7 @@ def ring_collective(kind: str, nbytes: float, fab: Fabric) -> Choice:
         if fab.nodes > 1:
             intra = max(intra, NET_OVERHEAD_US[fab.host_cpu] * (3 if proto == "Simple" else 1))
         lat = (BASE_LATENCY_US["ring"][idx] + (p - 1 - inter_steps) * intra + inter_steps * inter) * 1e-6
-        algbw = busbw * 1e9 * p / (p - 1)
+        algbw = busbw * 1e9 * p / (p - 1) * _tier_factor(fab)
         out.append(Choice("ring", proto, lat, algbw, lat + n / algbw))
     if fab.nodes == 1 and fab.nvls_busbw is not None and fab.ranks_per_node > 1:
         # NVLS reduce-scatter/all-gather: the all-reduce's per-channel rate without its x2

@@ -77,6 +77,8 @@ def fabric(profile: Profile) -> nccl.Fabric:
         net_latency_us=profile.net_latency_us,
         tuner_net_latency_us=profile.tuner_net_latency_us,
         host_cpu=profile.host_cpu,
+        leaf_nodes=profile.leaf_nodes,
+        tier_efficiency=profile.tier_efficiency,
     )
 
 

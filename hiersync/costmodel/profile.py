@@ -92,6 +92,13 @@ class Profile:
     nodes and its network post overhead (1 us per message, 2 on AMD) depend on it (:mod:`.nccl`)."""
     channels: int = 16
     """NCCL's ring/tree channels; only its per-channel bandwidth caps read it."""
+    leaf_nodes: int = 0
+    """Nodes one leaf switch connects (per rail on a rail-optimised fabric); a job on more spans
+    switch tiers (:func:`~.nccl.switch_tiers`). 0: one flat network, no tiers."""
+    tier_efficiency: float = 1.0
+    """Fraction of the network bandwidth kept per switch tier a job spans above its leaf (flows
+    hashed onto shared uplinks collide). 1: no loss, as InfiniBand's adaptive routing gives;
+    about 0.85 on AWS p5's EFA (docs/costmodel-validation.md)."""
     quant_gbps: float | None = None
     """GB/s of fp32 input one quantize or dequantize pass of ``compress="int8"/"int4"`` processes;
     None: :data:`~.compression.DEFAULT_QUANT_GBPS` (a conservative GPU rate, not measured)."""
@@ -128,6 +135,15 @@ class Profile:
         if self.host_cpu not in HOST_CPUS:
             raise ValueError(f"Profile.host_cpu must be one of {', '.join(HOST_CPUS)}, got {self.host_cpu!r}")
         check_count("Profile.channels", self.channels)
+        if (
+            isinstance(self.leaf_nodes, bool)
+            or not isinstance(self.leaf_nodes, int)
+            or self.leaf_nodes == 1
+            or self.leaf_nodes < 0
+        ):
+            raise ValueError(f"Profile.leaf_nodes must be 0 (one flat network) or an int >= 2, got {self.leaf_nodes!r}")
+        if isinstance(self.tier_efficiency, bool) or not 0 < self.tier_efficiency <= 1:
+            raise ValueError(f"Profile.tier_efficiency must be in (0, 1] (1: no loss), got {self.tier_efficiency!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"Profile.backend must be a backend name such as 'nccl' or 'gloo', got {self.backend!r}")
 
@@ -180,6 +196,8 @@ class Profile:
             "tuner_net_latency_us": self.tuner_net_latency_us,
             "host_cpu": self.host_cpu,
             "channels": self.channels,
+            "leaf_nodes": self.leaf_nodes,
+            "tier_efficiency": self.tier_efficiency,
             "quant_gbps": self.quant_gbps,
             "copy_gbps": self.copy_gbps,
             "forward_s": self.forward_s,
@@ -219,6 +237,8 @@ class Profile:
             tuner_net_latency_us=obj.get("tuner_net_latency_us"),
             host_cpu=obj.get("host_cpu", "intel"),
             channels=obj.get("channels", 16),
+            leaf_nodes=obj.get("leaf_nodes", 0),
+            tier_efficiency=obj.get("tier_efficiency", 1.0),
             quant_gbps=obj.get("quant_gbps"),
             copy_gbps=obj.get("copy_gbps"),
             forward_s=obj.get("forward_s"),
@@ -264,6 +284,33 @@ PRESETS: dict[str, Profile] = {
             f"8xH100 ring busbw ~370 GB/s, NVLS all-reduce ~480 (nccl-tests#212); 8x NDR 400 Gb/s at 47 GB/s; "
             f"InfiniBand (no plugin latency); {_NCCL_SRC}; "
             "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
+        ),
+    ),
+    # AWS p5.48xlarge: the 8x H100 node of h100-8rail behind 32x 100 Gb/s EFA (11.75 GB/s each,
+    # the 0.94 of line rate NDR reaches), AMD EPYC hosts, aws-ofi-nccl reporting 75 us to NCCL's
+    # tuner; the fabric's step latency (29 us) and switch tiers (0.85 of the bandwidth per tier
+    # above 4-node leaves) fitted on the published p5 all-reduces, 2-32 nodes
+    # (docs/costmodel-validation.md; AWS publishes neither).
+    "p5-efa": Profile(
+        intra=Link.from_bandwidth(3.4e-6, 370e9),
+        inter=Link.from_bandwidth(14e-6, 11.75e9),
+        nodes=16,
+        ranks_per_node=8,
+        rails=32,
+        backend="nccl",
+        nvls_gbps=480.0,
+        gpu="hopper",
+        net_latency_us=29.0,
+        tuner_net_latency_us=75.0,
+        host_cpu="amd",
+        leaf_nodes=4,
+        tier_efficiency=0.85,
+        copy_gbps=1500.0,
+        name="p5-efa",
+        source=(
+            "AWS p5.48xlarge: 8xH100 as h100-8rail; 32x 100 Gb/s EFA at 11.75 GB/s; aws-ofi-nccl reports 75 us "
+            "(its platform table); fitted on published p5 all-reduces (docs/costmodel-validation.md): fabric "
+            f"latency 29 us per step, 0.85 of the bandwidth per switch tier above 4-node leaves; {_NCCL_SRC}"
         ),
     ),
     # 8x A100 SXM: NCCL caps Ampere busbw at 235 GB/s (no NVLS); one 100 Gb/s NIC (12.5 GB/s line).

@@ -8,13 +8,13 @@ GPUs and NICs per node, NIC rate, message size, and a measured time or bus bandw
 preset for Hopper GPUs or ``a100-1nic`` for Ampere, given the row's shape, its NICs at
 :data:`NIC_EFFICIENCY` of their line rate, and its fabric (:func:`fabric_of`).
 
-One number is taken from data at all: the step latency of a fabric behind a network plugin
-(:data:`FITTED_FABRICS`: AWS EFA on p4d and on p5, GCP's GPUDirect-TCPXO), which nobody
-publishes and ``python -m hiersync calibrate`` measures on a real cluster.
-:func:`fit_latencies` solves it from a set of rows. :func:`leave_one_source_out` is the
-honest score: for every source, the latencies are fitted on all the *other* sources and
-its rows predicted with them (a fabric no other source measured gets
-:data:`DEFAULT_LATENCY_US`). :func:`medians` gives the median ``|predicted / measured - 1|``
+Two things are taken from data, per fabric behind a network plugin (:data:`FITTED_FABRICS`:
+AWS EFA on p4d and on p5, GCP's GPUDirect-TCPXO), which nobody publishes: the step latency
+(:func:`fit_latencies`, from rows of 1 MiB and below) and the switch tiers' bandwidth loss
+(:func:`fit_tiers`: the leaf size and the efficiency per tier, from rows above 1 MiB on more
+than two nodes). :func:`leave_one_source_out` is the honest score: for every source, both are
+fitted on all the *other* sources and its rows predicted with them (a fabric no other source
+measured gets :data:`DEFAULT_LATENCY_US` and no tiers). :func:`medians` gives the median ``|predicted / measured - 1|``
 per regime over the clean rows (no flag ``degraded``, ``torch`` or ``statement``).
 Pure: no torch.
 
@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import os
 import statistics
@@ -57,8 +58,11 @@ __all__ = [
     "host_cpu_of",
     "row_profile",
     "fit_latencies",
+    "fit_tiers",
+    "LEAF_CHOICES",
     "score",
     "leave_one_source_out",
+    "scale_out",
     "medians",
     "format_report",
 ]
@@ -103,6 +107,11 @@ PEAK_SWEEP_END = {
 _DEFAULT_SWEEP_END = 16 * 2**30
 _FORCED = {"ring": "ring", "tree": "tree", "auto": "auto"}
 _LATENCY_SEARCH_US = (0.0, 400.0)
+LEAF_CHOICES = (2, 4, 8, 16, 32)
+"""Leaf sizes (nodes per leaf switch) :func:`fit_tiers` tries."""
+_EFFICIENCY_SEARCH = (0.5, 1.0)
+Tiers = Mapping[str, tuple[int, float]]
+"""Per fabric, ``(leaf_nodes, tier_efficiency)``; a fabric missing: no tiers (one flat network)."""
 
 
 @dataclass(frozen=True)
@@ -198,17 +207,19 @@ def host_cpu_of(row: Row) -> str:
     return "amd" if any(name in text for name in AMD_HOSTS) else "intel"
 
 
-def row_profile(row: Row, latencies: Mapping[str, float] | None = None) -> Profile:
+def row_profile(row: Row, latencies: Mapping[str, float] | None = None, tiers: Tiers | None = None) -> Profile:
     """The preset for the row's GPU, on the row's shape, NICs, fabric and host CPU.
 
     ``latencies``: the fabric's step latency per fabric (:func:`fit_latencies`); missing ones
-    are :data:`DEFAULT_LATENCY_US`.
+    are :data:`DEFAULT_LATENCY_US`. ``tiers``: ``(leaf_nodes, tier_efficiency)`` per fabric
+    (:func:`fit_tiers`); missing ones: no tiers.
     """
     text = row.hardware.lower()
     base = PRESETS["a100-1nic"] if "a100" in text or "p4d" in text else PRESETS["h100-8rail"]
     nic = Link(base.inter.alpha, 1.0 / (row.nic_gbps / 8 * NIC_EFFICIENCY * 1e9))
     fabric = fabric_of(row)
     measured = (latencies or {}).get(fabric, DEFAULT_LATENCY_US[fabric])
+    leaf, efficiency = (tiers or {}).get(fabric, (0, 1.0))
     return replace(
         base,
         nodes=row.nodes,
@@ -218,6 +229,8 @@ def row_profile(row: Row, latencies: Mapping[str, float] | None = None) -> Profi
         net_latency_us=measured,
         tuner_net_latency_us=REPORTED_LATENCY_US.get(fabric),
         host_cpu=host_cpu_of(row),
+        leaf_nodes=leaf,
+        tier_efficiency=efficiency,
         name=row.id,
     )
 
@@ -226,8 +239,8 @@ def _busbw(nbytes: float, seconds: float, ranks: int) -> float:
     return nbytes / seconds * (2 * (ranks - 1) / ranks) / 1e9
 
 
-def _predict(row: Row, latencies: Mapping[str, float] | None) -> Point:
-    profile = row_profile(row, latencies)
+def _predict(row: Row, latencies: Mapping[str, float] | None, tiers: Tiers | None = None) -> Point:
+    profile = row_profile(row, latencies, tiers)
     algo = _FORCED.get(row.algorithm, "auto")
     ranks = row.nodes * row.gpus_per_node
     if row.size_bytes is None:  # peak busbw of a sweep: the best the model gives up to its end
@@ -267,19 +280,65 @@ def fit_latencies(rows: Iterable[Row]) -> dict[str, float]:
     return out
 
 
-def score(rows: Iterable[Row], latencies: Mapping[str, float] | None = None) -> list[Point]:
-    """Every row with the model's prediction, on ``latencies`` (default: :func:`fit_latencies`
-    of these same rows: in-sample)."""
+def _tier_rows(rows: Iterable[Row]) -> dict[str, list[Row]]:
+    by_fabric: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.clean and r.regime in ("inter-mid", "inter-bw") and r.nodes > 2 and fabric_of(r) in FITTED_FABRICS:
+            by_fabric.setdefault(fabric_of(r), []).append(r)
+    return by_fabric
+
+
+@functools.lru_cache(maxsize=256)
+def _fit_tier(fabric: str, members: tuple[Row, ...], latency_us: float) -> tuple[int, float] | None:
+    latencies = {fabric: latency_us}
+
+    def loss(leaf: int, efficiency: float) -> float:
+        return sum(math.log(_predict(r, latencies, {fabric: (leaf, efficiency)}).ratio) ** 2 for r in members)
+
+    flat = sum(math.log(_predict(r, latencies).ratio) ** 2 for r in members)
+    best = min(
+        ((leaf, _golden(lambda e, leaf=leaf: loss(leaf, e), *_EFFICIENCY_SEARCH, steps=20)) for leaf in LEAF_CHOICES),
+        key=lambda fit: loss(*fit),
+    )
+    leaf, efficiency = best[0], round(best[1], 3)
+    if efficiency >= 0.995 or loss(leaf, efficiency) >= flat or all(r.nodes <= leaf for r in members):
+        return None
+    return leaf, efficiency
+
+
+def fit_tiers(rows: Iterable[Row], latencies: Mapping[str, float] | None = None) -> dict[str, tuple[int, float]]:
+    """``(leaf_nodes, tier_efficiency)`` of each of :data:`FITTED_FABRICS`, read from its clean rows
+    above 1 MiB on more than two nodes in ``rows``: for every leaf size of :data:`LEAF_CHOICES`,
+    the efficiency per tier (golden-section search over 0.5-1) with the least squared log error;
+    then the leaf whose fit is best. ``latencies``: the step latencies to predict with (default
+    :func:`fit_latencies` of ``rows``). Fabrics without such rows, or whose rows gain nothing from
+    tiers, are left out (no tiers)."""
     rows = list(rows)
-    return [_predict(r, fit_latencies(rows) if latencies is None else latencies) for r in rows]
+    latencies = fit_latencies(rows) if latencies is None else latencies
+    out = {}
+    for fabric, members in sorted(_tier_rows(rows).items()):
+        fit = _fit_tier(fabric, tuple(members), latencies.get(fabric, DEFAULT_LATENCY_US[fabric]))
+        if fit is not None:
+            out[fabric] = fit
+    return out
 
 
-def leave_one_source_out(rows: Iterable[Row]) -> list[Point]:
-    """Every row predicted with the latencies fitted on the rows of all *other* sources.
+def score(rows: Iterable[Row], latencies: Mapping[str, float] | None = None, tiers: Tiers | None = None) -> list[Point]:
+    """Every row with the model's prediction, on ``latencies`` and ``tiers`` (default:
+    :func:`fit_latencies` and :func:`fit_tiers` of these same rows: in-sample; pass ``tiers={}``
+    for the model without switch tiers)."""
+    rows = list(rows)
+    latencies = fit_latencies(rows) if latencies is None else latencies
+    tiers = fit_tiers(rows, latencies) if tiers is None else tiers
+    return [_predict(r, latencies, tiers) for r in rows]
+
+
+def leave_one_source_out(rows: Iterable[Row], *, tiers: bool = True) -> list[Point]:
+    """Every row predicted with the latencies (and, with ``tiers``, the switch tiers) fitted on
+    the rows of all *other* sources.
 
     A source is one publication (its ``source`` column): an issue thread's poster, a
-    repository's README. With nothing fitted this would equal :func:`score` with the
-    defaults; here it holds out the one number taken from data.
+    repository's README. ``tiers=False``: the model without switch tiers (every fabric flat).
     """
     rows = list(rows)
     by_source: dict[str, list[Row]] = {}
@@ -287,17 +346,31 @@ def leave_one_source_out(rows: Iterable[Row]) -> list[Point]:
         by_source.setdefault(r.source, []).append(r)
     predicted = {}
     for source, members in by_source.items():
-        latencies = fit_latencies(r for r in rows if r.source != source)
+        others = [r for r in rows if r.source != source]
+        latencies = fit_latencies(others)
+        fitted = fit_tiers(others, latencies) if tiers else {}
         for r in members:
-            predicted[id(r)] = _predict(r, latencies)
+            predicted[id(r)] = _predict(r, latencies, fitted)
     return [predicted[id(r)] for r in rows]
 
 
-def medians(points: Sequence[Point]) -> dict[str, tuple[float, int]]:
-    """Median ``|ratio - 1|`` and the number of points per regime, over the clean rows."""
+def scale_out(rows: Iterable[Row], *, min_nodes: int = 16, tiers: bool = True) -> list[Point]:
+    """The rows on ``min_nodes`` nodes or more, predicted with the latencies (and, with ``tiers``,
+    the switch tiers) fitted on the rows below: what a cluster measured at small scale says of
+    itself at large scale, as the planner uses it."""
+    rows = list(rows)
+    small = [r for r in rows if r.nodes < min_nodes]
+    latencies = fit_latencies(small)
+    fitted = fit_tiers(small, latencies) if tiers else {}
+    return [_predict(r, latencies, fitted) for r in rows if r.nodes >= min_nodes]
+
+
+def medians(points: Sequence[Point], *, min_nodes: int = 1) -> dict[str, tuple[float, int]]:
+    """Median ``|ratio - 1|`` and the number of points per regime, over the clean rows (on at
+    least ``min_nodes`` nodes)."""
     out = {}
     for regime in REGIMES:
-        errors = [p.error for p in points if p.row.regime == regime and p.row.clean]
+        errors = [p.error for p in points if p.row.regime == regime and p.row.clean and p.row.nodes >= min_nodes]
         out[regime] = (statistics.median(errors) if errors else math.nan, len(errors))
     return out
 
@@ -312,26 +385,47 @@ def _fmt_size(row: Row) -> str:
     return f"{n} B"
 
 
-def _summary(title: str, points: Sequence[Point]) -> list[str]:
+def _summary(title: str, points: Sequence[Point], min_nodes: int = 1) -> list[str]:
     lines = [title]
-    for regime, (m, n) in medians(points).items():
-        lines.append(f"  {regime:<10} {m:6.1%} over {n:3d} rows")
+    for regime, (m, n) in medians(points, min_nodes=min_nodes).items():
+        if n:
+            lines.append(f"  {regime:<10} {m:6.1%} over {n:3d} rows")
     return lines
 
 
-def format_report(rows: Sequence[Row], *, worst: int = 10, table: bool = True) -> str:
-    """Per-regime medians (in sample and leave-one-source-out), the fitted latencies, every
-    row's leave-one-source-out ratio (``table``) and the worst rows."""
+def _fmt_tiers(tiers: Tiers) -> str:
+    if not tiers:
+        return "none"
+    return ", ".join(f"{f} {eff:g} per tier above {leaf}-node leaves" for f, (leaf, eff) in sorted(tiers.items()))
+
+
+def format_report(rows: Sequence[Row], *, worst: int = 10, table: bool = True, scale_nodes: int = 16) -> str:
+    """Per-regime medians (in sample and leave-one-source-out, and on ``scale_nodes`` nodes and more
+    with and without the switch tiers), the fitted latencies and tiers, every row's
+    leave-one-source-out ratio (``table``) and the worst rows."""
     rows = list(rows)
     fitted = fit_latencies(rows)
+    tiers = fit_tiers(rows, fitted)
     held_out = leave_one_source_out(rows)
+    flat = leave_one_source_out(rows, tiers=False)
     sources = len({r.source for r in rows})
     lines = _summary(
         f"leave-one-source-out: median |predicted/measured - 1| per regime ({len(rows)} rows, {sources} sources; "
-        "each source predicted with fabric latencies fitted on the others):",
+        "each source predicted with fabric latencies and tiers fitted on the others):",
         held_out,
     )
-    lines += _summary("in sample (fabric latencies fitted on every row):", score(rows, fitted))
+    lines += _summary("in sample (fabric latencies and tiers fitted on every row):", score(rows, fitted, tiers))
+    lines += _summary(f"leave-one-source-out, rows on {scale_nodes}+ nodes:", held_out, scale_nodes)
+    lines += _summary("  the same without switch tiers (a flat network):", flat, scale_nodes)
+    lines += _summary(
+        f"rows on {scale_nodes}+ nodes, latencies and tiers fitted on the rows below {scale_nodes} nodes:",
+        scale_out(rows, min_nodes=scale_nodes),
+    )
+    lines += _summary(
+        "  the same without switch tiers (a flat network):", scale_out(rows, min_nodes=scale_nodes, tiers=False)
+    )
+    lines += _summary(f"in sample, rows on {scale_nodes}+ nodes:", score(rows, fitted, tiers), scale_nodes)
+    lines += _summary("  the same without switch tiers (a flat network):", score(rows, fitted, {}), scale_nodes)
     lines.append("per held-out source (clean rows; its fabric's latency as fitted on the others):")
     for source in sorted({r.source for r in rows}):
         errors = [p.error for p in held_out if p.row.source == source and p.row.clean]
@@ -346,6 +440,7 @@ def format_report(rows: Sequence[Row], *, worst: int = 10, table: bool = True) -
         + ", ".join(f"{f} {fitted.get(f, DEFAULT_LATENCY_US[f]):g}" for f in FABRICS)
         + " (infiniband is NCCL's own constants, not fitted)"
     )
+    lines.append(f"switch tiers fitted on every row: {_fmt_tiers(tiers)} (other fabrics flat)")
     if table:
         lines += [
             "",
