@@ -22,28 +22,18 @@ from .stats import Stats
 from .topology import Topology
 
 if TYPE_CHECKING:
-    from .ddp import HierState, hook, register
-    from .fsdp import FSDPState, node_mesh
-    from .futures import HierSyncError
+    from .api import FSDPState, HierState, HierSyncError, hook, node_mesh, register
 
 __all__ = ["HierState", "hook", "register", "node_mesh", "FSDPState", "Topology", "Schedule", "Stats", "HierSyncError"]
 __version__ = "0.1.0"
 
-_LAZY = {
-    "HierState": "ddp",
-    "hook": "ddp",
-    "register": "ddp",
-    "node_mesh": "fsdp",
-    "FSDPState": "fsdp",
-    "HierSyncError": "futures",
-}
+_LAZY = ("HierState", "hook", "register", "node_mesh", "FSDPState", "HierSyncError")
+"""The torch-dependent names, all from :mod:`hiersync.api`."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        for other, where in _LAZY.items():
-            if where == _LAZY[name]:
-                globals()[other] = getattr(module, other)
+        api = importlib.import_module(".api", __name__)
+        globals().update({other: getattr(api, other) for other in _LAZY})
         return globals()[name]
     raise AttributeError(f"module 'hiersync' has no attribute {name!r}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from . import state_io
 from .averagers import ReplicatedNodeAverager
-from .ddp_checks import check_bucket, check_same_device, check_usable, unwrap_optimizer
+from .ddp_checks import check_bucket, check_same_device, check_usable
 from .exact import ExactPolicy
 from .frontend import SyncState
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
@@ -49,7 +49,7 @@ from .guard import NonFiniteError, NonFiniteGuard, flag
 from .localsgd import HookAverager, HookLaunch, options_of
 from .vocab import COMPRESS_CODES, StepKind
 
-__all__ = ["HierState", "hook", "register", "HierSyncError"]
+__all__ = ["HierState", "hook", "HierSyncError"]
 
 EXACT, SYNC = StepKind.EXACT, StepKind.SYNC
 
@@ -265,72 +265,3 @@ def hook(state: HierState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 # DDP's register_comm_hook compares the annotations with the real objects, not strings
 # (this module uses postponed evaluation), so spell them out.
 hook.__annotations__ = {"state": HierState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-
-
-@overload
-def register(
-    model: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer | None = None, **options: Any
-) -> HierState: ...
-
-
-@overload
-def register(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any) -> SyncState: ...
-
-
-def register(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    **options: Any,
-) -> SyncState:
-    """Build hiersync's state from ``options`` for a DDP or an FSDP2 model; attach ``optimizer``.
-
-    A ``DistributedDataParallel`` model gets a :class:`HierState` with the hook registered
-    (``optimizer`` optional; it may be a framework's wrapper, e.g. Accelerate's
-    ``AcceleratedOptimizer``: the torch optimizer inside it is attached). ``manager=`` (a
-    ``torchft.Manager``; DDP or FSDP2) puts the inter-node leg on torchft's fault-tolerant replica
-    groups: each node is its own torchrun job and training goes on when nodes die or join
-    (:mod:`hiersync.ft`). A module that
-    ``fully_shard`` was called on (FSDP2, sharded over :func:`hiersync.node_mesh`) gets a
-    :class:`hiersync.fsdp.FSDPState` (``optimizer`` required).
-
-    Example::
-
-        >>> state = hiersync.register(ddp_model, optimizer, period=4, warmup_steps=100)
-    """
-    from .fsdp import FSDPState, is_fsdp2
-
-    manager = options.pop("manager", None)
-    if manager is not None:
-        from .ft import register_with_manager  # the inter-node leg on torchft (survives node loss)
-
-        return register_with_manager(model, optimizer, manager, **options)
-    if is_fsdp2(model):
-        if optimizer is None:
-            raise TypeError(
-                "hiersync.register(fsdp_model, optimizer, ...) needs the optimizer: with FSDP2 the cross-node sync "
-                "runs after optimizer.step()"
-            )
-        return FSDPState(model, unwrap_optimizer(optimizer), **options)
-    if type(model).__name__ == "FullyShardedDataParallel":
-        raise TypeError(
-            "hiersync supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1 (FullyShardedDataParallel): "
-            "shard with fully_shard(module, mesh=hiersync.node_mesh()) instead"
-        )
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"hiersync.register needs a DistributedDataParallel model or an FSDP2 module (fully_shard), got "
-            f"{type(model).__name__}: wrap it first (DistributedDataParallel(model), or fully_shard(model, "
-            "mesh=hiersync.node_mesh()))"
-        )
-    ddp_group = getattr(model, "process_group", None)
-    if ddp_group is not None and dist.is_initialized() and ddp_group.size() != dist.get_world_size():
-        raise ValueError(
-            f"hiersync averages over the whole world ({dist.get_world_size()} ranks) but this DDP model "
-            f"syncs a process group of {ddp_group.size()} ranks; build DDP without process_group=..."
-        )
-    state = HierState(**options)
-    state._model = model
-    model.register_comm_hook(state, hook)
-    if optimizer is not None:
-        state.attach_optimizer(optimizer)
-    return state

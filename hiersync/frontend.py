@@ -11,10 +11,9 @@ guard's hooks around ``optimizer.step()``, checkpoints (:mod:`hiersync.state_io`
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,26 @@ class LevelEngine:
 
     level: HierLevel
     engine: CrossNodeSync
+
+
+class CheckpointAdapter(Protocol):
+    """How a framework that saves registered objects its own way checkpoints a state.
+
+    An integration (:mod:`hiersync.integrations`) appends one to :data:`CHECKPOINT_ADAPTERS`;
+    the core never imports the framework or the integration.
+    """
+
+    def state_dict(self, state: SyncState) -> dict[str, Any] | None:
+        """What to save instead of ``state_io.save(state)``, or ``None`` when this call is not the framework's."""
+        ...
+
+    def load_state_dict(self, state: SyncState, state_dict: Any) -> bool:
+        """Load ``state_dict`` if it is this adapter's form; whether it did."""
+        ...
+
+
+CHECKPOINT_ADAPTERS: list[CheckpointAdapter] = []
+"""The adapters :meth:`SyncState.state_dict` and :meth:`SyncState.load_state_dict` ask first, in order."""
 
 
 class SyncState:
@@ -188,26 +207,20 @@ class SyncState:
 
         Each rank saves its own (its shard of the local-SGD state). Syncs in flight are
         finished and saved as corrections still to apply (see :mod:`hiersync.state_io`).
-        Called by Accelerate's ``save_state`` (the state was given to
-        ``accelerator.register_for_checkpointing``), which writes rank 0's copy only, it
-        returns every rank's state instead (:mod:`hiersync.integrations.accelerate`).
+        A framework that writes rank 0's copy only (Accelerate's ``save_state``) gets every
+        rank's state instead, through the :data:`CHECKPOINT_ADAPTERS` its integration registers
+        (:mod:`hiersync.integrations.accelerate`).
         """
-        if sys._getframe(1).f_globals.get("__name__") == "accelerate.checkpointing":
-            from .integrations import accelerate
-
-            return accelerate.rank_states_of(self).state_dict()
+        for adapter in CHECKPOINT_ADAPTERS:
+            saved = adapter.state_dict(self)
+            if saved is not None:
+                return saved
         return state_io.save(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Call before the first backward after a restart."""
-        from .integrations import _per_rank
-
-        if _per_rank.is_per_rank(state_dict):  # what state_dict() gave Accelerate's save_state
-            from .integrations import accelerate
-
-            accelerate.rank_states_of(self).load_state_dict(state_dict)
-            return
-        state_io.load(self, state_dict)
+        if not any(adapter.load_state_dict(self, state_dict) for adapter in CHECKPOINT_ADAPTERS):
+            state_io.load(self, state_dict)
 
     def synchronize(self, model: torch.nn.Module | None = None) -> None:
         """Blocking: make every rank's parameters and floating buffers identical (the world mean).

@@ -1,4 +1,6 @@
-"""Glue for training frameworks. Nothing here is imported by ``import hiersync``.
+"""Glue for training frameworks. ``import hiersync`` imports none of them; its public names
+load :mod:`~hiersync.integrations.accelerate` (which does not import Accelerate) for the
+checkpoint adapter it registers with the core.
 
 * :mod:`hiersync.integrations.accelerate`: :class:`~hiersync.integrations.accelerate.RankStates`,
   every rank's state in Accelerate's rank-0 ``save_state``, so that ``load_state`` resumes

@@ -13,16 +13,19 @@ into the object Accelerate writes, and on ``load_state`` (which loads registered
 after the model and optimizer) puts back this rank's own. A :class:`~hiersync.HierState`
 registered itself does the same through :func:`rank_states_of` (it knows its model and
 optimizer from :func:`hiersync.register`); one that knows no optimizer is refused at
-``save_state``. This module does not import ``accelerate``.
+``save_state``. That is this module's checkpoint adapter, registered with the core on import
+(:data:`hiersync.frontend.CHECKPOINT_ADAPTERS`; ``hiersync``'s public names import it): the
+core knows neither Accelerate nor this module. This module does not import ``accelerate``.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-from ..frontend import SyncState
+from ..frontend import CHECKPOINT_ADAPTERS, SyncState
 from . import _per_rank
 
 __all__ = ["RankStates", "rank_states_of"]
@@ -81,3 +84,30 @@ def rank_states_of(state: SyncState) -> RankStates:
             "RankStates(state, model, optimizer) instead (from hiersync.integrations.accelerate import RankStates)"
         )
     return RankStates(state, state._model, state._optimizer)
+
+
+def _called_by_save_state() -> bool:
+    """Whether Accelerate's ``save_custom_state`` called :meth:`SyncState.state_dict`.
+
+    ``save_state`` calls ``obj.state_dict()`` of each registered object on every process and
+    writes rank 0's result; nothing but the caller tells the object who asks. Frames: this
+    function, the adapter, ``SyncState.state_dict``, its caller.
+    """
+    return sys._getframe(3).f_globals.get("__name__") == "accelerate.checkpointing"
+
+
+class _SaveStateAdapter:
+    """Every rank's state for Accelerate's ``save_state``; this rank's own back on ``load_state``."""
+
+    def state_dict(self, state: SyncState) -> dict[str, Any] | None:
+        return rank_states_of(state).state_dict() if _called_by_save_state() else None
+
+    def load_state_dict(self, state: SyncState, state_dict: Any) -> bool:
+        if not _per_rank.is_per_rank(state_dict):
+            return False
+        rank_states_of(state).load_state_dict(state_dict)
+        return True
+
+
+if not any(isinstance(a, _SaveStateAdapter) for a in CHECKPOINT_ADAPTERS):
+    CHECKPOINT_ADAPTERS.append(_SaveStateAdapter())

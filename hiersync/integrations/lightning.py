@@ -17,7 +17,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp import HierState, register
+from ..api import register
+from ..ddp import HierState
 from ..ddp_checks import unwrap_optimizer
 from . import _per_rank
 

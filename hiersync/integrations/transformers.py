@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp import HierState, register
+from ..api import register
+from ..ddp import HierState
 
 try:
     from transformers import TrainerCallback
