@@ -314,3 +314,19 @@ def median_error(points):
     errors = sorted(p.error for p in points)
     mid = len(errors) // 2
     return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+
+
+def test_fit_switch_tiers_recovers_the_tiers_from_several_node_counts():
+    truth = replace(P5, leaf_nodes=8, tier_efficiency=0.8)
+    flat = replace(P5, leaf_nodes=0, tier_efficiency=1.0)
+    sizes = (32 * MiB, 512 * MiB, 4 * GiB)
+    points = [(n, b, cm.predict_allreduce(b, truth.with_shape(nodes=n))) for n in (2, 4, 8, 16, 32, 128) for b in sizes]
+    fitted = cm.fit_switch_tiers(points, flat)
+    assert (fitted.leaf_nodes, fitted.tier_efficiency) == (8, pytest.approx(0.8, abs=0.005))
+    one_leaf = [p for p in points if p[0] <= 8]  # nothing beyond a leaf: nothing to see
+    assert (cm.fit_switch_tiers(one_leaf, flat).leaf_nodes, cm.fit_switch_tiers(one_leaf, flat).tier_efficiency) == (
+        0,
+        1.0,
+    )
+    with pytest.raises(ValueError, match="nodes >= 1"):
+        cm.fit_switch_tiers([(0, MiB, 1e-3)], flat)

@@ -39,7 +39,7 @@ Example::
 from __future__ import annotations
 
 from . import compression, nccl, validation
-from .fit import LinkFit, fit_link, fit_nccl_profile, fit_net_latency
+from .fit import LinkFit, fit_link, fit_nccl_profile, fit_net_latency, fit_switch_tiers
 from .hierarchy import (
     FLAT_ALGORITHMS,
     INTRA_ALGORITHMS,
@@ -126,6 +126,7 @@ __all__ = [
     "fit_link",
     "fit_net_latency",
     "fit_nccl_profile",
+    "fit_switch_tiers",
     "get_preset",
     "preset_for_backend",
     "default_copy_gbps",

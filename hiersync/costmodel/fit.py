@@ -2,7 +2,9 @@
 
 ``python -m hiersync calibrate`` times all-reduces per level and hands them to
 :func:`fit_link`; under NCCL it also fits the fabric's latency with NCCL's own model
-(:func:`fit_net_latency`). Pure (numpy, imported on first use): no torch.
+(:func:`fit_net_latency`). :func:`fit_switch_tiers` fits the switch tiers' bandwidth loss to
+all-reduces measured at several node counts (nccl-tests on 2, 4, ... 32 nodes), which one
+calibration on one cluster size cannot see. Pure (numpy, imported on first use): no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .links import COLLECTIVES, DEFAULT_TREE_EFFICIENCY, Link, collective_affine
 if TYPE_CHECKING:
     from .profile import Profile
 
-__all__ = ["LinkFit", "fit_link", "fit_net_latency", "fit_nccl_profile"]
+__all__ = ["LinkFit", "fit_link", "fit_net_latency", "fit_nccl_profile", "fit_switch_tiers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,3 +190,31 @@ def fit_nccl_profile(
             prof = replace(prof, inter=Link(prof.inter.alpha, 1 / bw))
             prof = replace(prof, net_latency_us=fit_net_latency(rail, prof))
     return prof
+
+
+def fit_switch_tiers(
+    points: Sequence[tuple[int, float, float]], profile: Profile, *, leaves: Sequence[int] = (2, 4, 8, 16, 32)
+) -> Profile:
+    """``profile`` with :attr:`~.profile.Profile.leaf_nodes` and :attr:`~.profile.Profile.tier_efficiency`
+    fitted to ``(nodes, bytes, seconds)`` all-reduces of the whole job (nccl-tests' out-of-place
+    time) at several node counts, ``profile.ranks_per_node`` ranks each.
+
+    For every leaf size of ``leaves``, the efficiency per tier (golden-section search over
+    0.5-1) with the least squared log error of :func:`~.predict.predict_allreduce`; then the
+    best leaf. A flat network (``leaf_nodes=0``) where no tier improves the fit, as on a
+    fabric whose measurements span one leaf. Fit the fabric latency first (calibrate).
+    """
+    from .predict import predict_allreduce
+
+    if not points or any(not (int(n) >= 1 and b >= 0 and t > 0) for n, b, t in points):
+        raise ValueError(f"fit_switch_tiers: need (nodes >= 1, bytes >= 0, seconds > 0) points, got {list(points)[:3]}")
+
+    def loss(leaf: int, efficiency: float) -> float:
+        shaped = replace(profile, leaf_nodes=leaf, tier_efficiency=efficiency)
+        return sum(math.log(predict_allreduce(b, shaped.with_shape(nodes=int(n))) / t) ** 2 for n, b, t in points)
+
+    fits = [(leaf, _golden(lambda e, leaf=leaf: loss(leaf, e), 0.5, 1.0, steps=25)) for leaf in leaves]
+    leaf, efficiency = min(fits, key=lambda f: loss(*f))
+    if loss(leaf, efficiency) >= loss(0, 1.0):
+        return replace(profile, leaf_nodes=0, tier_efficiency=1.0)
+    return replace(profile, leaf_nodes=leaf, tier_efficiency=round(efficiency, 3))
