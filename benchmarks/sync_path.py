@@ -1,0 +1,92 @@
+"""The path of one blocking period-k sync through hiersync's modules, traced.
+
+Two emulated nodes of two ranks (gloo, loopback), DDP, ``hiersync.register(ddp, opt,
+period=2)``: the second sync step's ``optimizer.step()`` is traced (the first also builds the
+fragment layout) with ``sys.setprofile`` on rank
+0, and every call of a hiersync function is recorded. Printed: the modules the sync enters
+(in order of first entry), the number of module-to-module hops (a call from a function of
+one module into another's, and the return), and the calls per module. The walk of a sync a
+newcomer has to follow is the list of modules; the hops say how often the reader jumps.
+
+    python benchmarks/sync_path.py [--compress bf16] [--outer] [--fragments 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hiersync
+from hiersync._launch import run
+
+
+def _trace(options: dict) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state = hiersync.register(ddp, opt, period=2, **options)
+    x = torch.randn(4, 8) + dist.get_rank()
+    enters: list[str] = []
+    hops = 0
+    where: list[str] = []
+    functions: dict[str, set[str]] = collections.defaultdict(set)
+
+    def profile(frame, event, arg):  # noqa: ARG001
+        nonlocal hops
+        if event not in ("call", "return"):
+            return
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("hiersync"):
+            return
+        if event == "call":
+            if where and where[-1] != module:
+                hops += 1
+            where.append(module)
+            enters.append(module)
+            functions[module].add(frame.f_code.co_name)
+        elif where:
+            left = where.pop()
+            if where and where[-1] != left:
+                hops += 1
+
+    for step in range(4):
+        ddp(x).sum().backward()
+        if step == 3:  # the second sync step (period 2, no warm-up): the first binds the layout
+            sys.setprofile(profile)
+        opt.step()
+        sys.setprofile(None)
+        opt.zero_grad()
+    state.close()
+    order = list(dict.fromkeys(enters))
+    return {
+        "modules": order,
+        "hops": hops,
+        "calls": dict(collections.Counter(enters)),
+        "functions": {m: sorted(f) for m, f in functions.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compress", default=None, help="bf16, fp16, int8 or int4 (default: fp32)")
+    parser.add_argument("--outer", action="store_true", help="with the outer Nesterov step (lr 0.7, momentum 0.9)")
+    parser.add_argument("--fragments", type=int, default=1)
+    args = parser.parse_args(argv)
+    options: dict = {"compress": args.compress, "fragments": args.fragments}
+    if args.outer:
+        options.update(outer_lr=0.7, outer_momentum=0.9)
+    result = run(_trace, 4, (options,), node_ids=[0, 0, 1, 1], timeout=120)[0]
+    print(
+        f"one blocking sync after optimizer.step() ({options}): {len(result['modules'])} modules, {result['hops']} hops"
+    )
+    for module in result["modules"]:
+        print(f"  {module:<28} {result['calls'][module]:>4} calls  {', '.join(result['functions'][module])}")
+
+
+if __name__ == "__main__":
+    main()
