@@ -36,7 +36,7 @@ def _trace(options: dict) -> dict:
     where: list[str] = []
     functions: dict[str, set[str]] = collections.defaultdict(set)
 
-    def profile(frame, event, arg):  # noqa: ARG001
+    def profile(frame, event, arg):
         nonlocal hops
         if event not in ("call", "return"):
             return
