@@ -20,13 +20,13 @@ from typing import Any
 
 from .levels import HierLevel, hierarchy
 from .schedule import Schedule
-from .vocab import COMPRESS_CODES, COMPRESS_DTYPES, INTRA_ALGORITHMS, NONFINITE_MODES, MiB
+from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
 ALGORITHMS = ("two_level", "flat", "auto")
 """Exact-step all-reduce: two-level, one world all-reduce, or chosen per bucket size."""
-COMPRESS = (None, "none", *COMPRESS_DTYPES, *COMPRESS_CODES)
+COMPRESS = (None, *WIRE_FORMATS)
 """Inter-node payload of the parameter average (``None``/``"none"``: fp32)."""
 NONFINITE = NONFINITE_MODES
 """What a NaN/Inf gradient does."""

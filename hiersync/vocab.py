@@ -26,6 +26,7 @@ The words for the cross-node sync, used the same way in code, docs and tests:
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 import re
 import sys
 
@@ -42,6 +43,9 @@ __all__ = [
     "RESIDUAL_BYTES",
     "COMPRESS_DTYPES",
     "COMPRESS_CODES",
+    "WireFormat",
+    "WIRE_FORMATS",
+    "wire_format",
     "NONFINITE_MODES",
     "KiB",
     "MiB",
@@ -183,9 +187,53 @@ QUANT_BLOCK = 128
 RESIDUAL_BYTES = 2
 """Bytes per value of an error-feedback residual: bf16 (``hiersync.quant.RESIDUAL_DTYPE``)."""
 
-COMPRESS_DTYPES = ("bf16", "fp16")
+@dataclass(frozen=True)
+class WireFormat:
+    """What ``compress=<name>`` sends on the inter-node leg: the one table of payloads.
+
+    The options (:class:`hiersync.config.HierConfig`), the averagers' codecs
+    (:func:`hiersync.quant.codec_for`) and the cost model (:mod:`hiersync.costmodel.compression`)
+    all read :data:`WIRE_FORMATS`; a new payload is a row here and a codec there.
+    """
+
+    name: str
+    bits: int | None
+    """Bits per value on the wire, block scales aside; ``None``: the parameters' own (fp32)."""
+    block_scaled: bool = False
+    """Codes with one fp32 scale per :data:`QUANT_BLOCK` values, averaged by an all-to-all of
+    pieces, an fp32 sum, a requantize and an all-gather, with error feedback; otherwise the
+    payload is summed by an all-reduce."""
+
+    @property
+    def delta(self) -> bool:
+        """Sent as the delta against the fp32 anchor (every payload narrower than the parameters)."""
+        return self.bits is not None
+
+
+WIRE_FORMATS: dict[str, WireFormat] = {
+    f.name: f
+    for f in (
+        WireFormat("none", None),
+        WireFormat("bf16", 16),
+        WireFormat("fp16", 16),
+        WireFormat("int8", 8, block_scaled=True),
+        WireFormat("int4", 4, block_scaled=True),
+    )
+}
+"""``compress=`` name -> what it sends (``"none"`` is ``compress=None``: fp32 parameters)."""
+
+
+def wire_format(compress: str | None) -> WireFormat:
+    """The :class:`WireFormat` of ``compress`` (``None`` means ``"none"``); ``ValueError`` naming the valid ones."""
+    name = "none" if compress is None else compress
+    if name not in WIRE_FORMATS:
+        raise ValueError(f"unknown compress={compress!r}; valid: {', '.join(WIRE_FORMATS)} (none = None)")
+    return WIRE_FORMATS[name]
+
+
+COMPRESS_DTYPES = tuple(n for n, f in WIRE_FORMATS.items() if f.delta and not f.block_scaled)
 """16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""
-COMPRESS_CODES = ("int8", "int4")
+COMPRESS_CODES = tuple(n for n, f in WIRE_FORMATS.items() if f.block_scaled)
 """Block-quantized payloads: deltas against the fp32 anchor with error feedback (:mod:`hiersync.quant`)."""
 NONFINITE_MODES = ("skip", "raise", "ignore")
 """What a NaN/Inf gradient does: skip the update, raise, or no check at all."""

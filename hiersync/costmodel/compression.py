@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hiersync.vocab import QUANT_BLOCK
+from hiersync.vocab import QUANT_BLOCK, WIRE_FORMATS, wire_format
 
 from .links import check_number
 
@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 SCALE_BITS = 32
-COMPRESS_OPTIONS = ("none", "bf16", "fp16", "int8", "int4")
-"""``"none"`` stands for ``compress=None`` on the command line."""
-QUANTIZED_BITS = {"int8": 8, "int4": 4}
+COMPRESS_OPTIONS = tuple(WIRE_FORMATS)
+"""``"none"`` stands for ``compress=None`` on the command line (:data:`hiersync.vocab.WIRE_FORMATS`)."""
+QUANTIZED_BITS = {n: f.bits for n, f in WIRE_FORMATS.items() if f.block_scaled and f.bits is not None}
 DEFAULT_QUANT_GBPS = 100.0
 """GB/s of fp32 input one quantize or dequantize pass processes when a profile states none: a
 conservative GPU rate (the passes are memory-bound and an H100's HBM moves ~3 TB/s); not
@@ -57,26 +57,22 @@ measured on a device yet."""
 
 def check_compress(compress: str | None) -> str:
     """``compress`` as one of :data:`COMPRESS_OPTIONS` (None means ``"none"``); ``ValueError`` otherwise."""
-    name = "none" if compress is None else compress
-    if name not in COMPRESS_OPTIONS:
-        raise ValueError(f"unknown compress {compress!r}; valid: {', '.join(COMPRESS_OPTIONS)} (none = None)")
-    return name
+    return wire_format(compress).name
 
 
 def is_quantized(compress: str | None) -> bool:
     """Whether ``compress`` is sent as a quantized rail average (int8, int4)."""
-    return check_compress(compress) in QUANTIZED_BITS
+    return wire_format(compress).block_scaled
 
 
 def bits_per_element(compress: str | None, param_bytes: int = 4) -> float:
     """Bits sent per parameter on the inter-node leg, block scales included."""
-    name = check_compress(compress)
-    own = 8 * param_bytes
-    if name == "none":
+    f, own = wire_format(compress), 8 * param_bytes
+    if f.bits is None:
         return own
-    if name in ("bf16", "fp16"):
-        return min(16, own)
-    return QUANTIZED_BITS[name] + SCALE_BITS / QUANT_BLOCK
+    if f.block_scaled:
+        return f.bits + SCALE_BITS / QUANT_BLOCK
+    return min(f.bits, own)
 
 
 def compress_ratio(compress: str | None, param_bytes: int = 4) -> float:

@@ -1,0 +1,31 @@
+"""One table of inter-node payloads (``hiersync.vocab.WIRE_FORMATS``) read by the options, the
+codecs and the cost model: a name accepted by one is known to all, with the same bits."""
+
+from __future__ import annotations
+
+import pytest
+
+from hiersync.config import HierConfig
+from hiersync.costmodel import compression
+from hiersync.vocab import QUANT_BLOCK, WIRE_FORMATS, wire_format
+
+
+@pytest.mark.parametrize("name", list(WIRE_FORMATS))
+def test_every_payload_is_an_option_and_is_priced(name):
+    f = WIRE_FORMATS[name]
+    cfg = HierConfig(period=4, compress=name)
+    assert cfg.compress == (None if name == "none" else name)
+    bits = compression.bits_per_element(name)
+    assert bits == (32 if f.bits is None else f.bits + (32 / QUANT_BLOCK if f.block_scaled else 0))
+    assert compression.is_quantized(name) == f.block_scaled
+
+
+def test_an_unknown_payload_is_refused_everywhere_with_the_valid_names():
+    for check in (wire_format, compression.check_compress, lambda c: HierConfig(period=4, compress=c)):
+        with pytest.raises(ValueError, match="int4"):
+            check("int3")
+
+
+def test_none_is_fp32_and_the_narrow_payloads_are_deltas():
+    assert wire_format(None) is WIRE_FORMATS["none"] and not wire_format(None).delta
+    assert all(f.delta for n, f in WIRE_FORMATS.items() if n != "none")
