@@ -26,9 +26,9 @@ The words for the cross-node sync, used the same way in code, docs and tests:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 import re
 import sys
+from dataclasses import dataclass
 
 __all__ = [
     "StrEnum",
@@ -186,6 +186,7 @@ QUANT_BLOCK = 128
 
 RESIDUAL_BYTES = 2
 """Bytes per value of an error-feedback residual: bf16 (``hiersync.quant.RESIDUAL_DTYPE``)."""
+
 
 @dataclass(frozen=True)
 class WireFormat:
