@@ -26,11 +26,9 @@ After the run :mod:`hiersync.tools.chaos_analysis` checks the invariants on ever
 per-step records and prints goodput, stall per fault, restart to first contributing sync,
 heals, windows dropped, and the final validation loss against the run without faults at the
 same steps and at the same useful work (the goal "nothing lost" is judged on the latter);
-``--out`` gets ``chaos.json`` and a plot of each node's state. No process outlives the command.
+``--out`` gets ``chaos.json`` and a plot of each node's state. No process outlives it. Example::
 
-Example::
-
-    $ python -m hiersync chaos --nodes 8 --minutes 10 --fault-every 30 --seed 1 --out chaos
+    $ python -m hiersync chaos --nodes 8 --minutes 10 --fault-every 30 --seed 1,2,3 --out chaos
 """
 
 from __future__ import annotations
@@ -435,6 +433,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--period", type=int, default=d.period, help="hiersync period k")
     parser.add_argument("--step-ms", type=float, default=d.fwd_ms + d.bwd_ms, help="accelerator-like compute per step")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
+    rail = "seconds: torchft's timeout of a rail collective and a recovery (how long a frozen peer holds the others)"
+    parser.add_argument("--rail-timeout", type=float, default=d.timeout_s, help=rail)
     parser.add_argument(
         "--seed", default="0", help="draws the faults' kinds and victims; several (1,2,3): one run with faults each"
     )
@@ -468,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
         fault_every=args.fault_every,
         restart_after=args.restart_after,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        timeout_s=args.rail_timeout,
         faults=faults,
         seed=seeds[0],
         lighthouse_restart_at=args.lighthouse_restart_at,

@@ -213,6 +213,7 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
         b[0] - a[0] for recs in reference.records.values() for a, b in zip(_steps(recs), _steps(recs)[1:])
     )
     stalls = []
+    per_fault: list[dict[str, Any]] = []
     for fault in faulted.faults:
         t0, victims = fault["t"], set(fault["nodes"])
         worst = 0.0
@@ -224,6 +225,7 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
             if gaps:
                 worst = max(worst, max(gaps) - typical)
         stalls.append(worst)
+        per_fault.append({"t": t0 - faulted.started, "kind": fault["kind"], "stall_s": worst})
     restart_s = [f["first_contributing_sync_s"] for f in firsts if f["first_contributing_sync_s"] is not None]
     val = [r["val_loss"] for r in faulted.results.values() if r]
     ref_val = [r["val_loss"] for r in reference.results.values() if r]
@@ -242,6 +244,7 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
         "faults": len(faulted.faults),
         "fault_kinds": {k: sum(f["kind"] == k for f in faulted.faults) for k in FAULTS},
         "stall_s": {"p50": _pct(stalls, 0.5), "p95": _pct(stalls, 0.95)},
+        "stall_per_fault": per_fault,
         "restart_to_contributing_sync_s": {
             "p50": _pct(restart_s, 0.5),
             "p95": _pct(restart_s, 0.95),
@@ -276,7 +279,8 @@ def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
     kinds = ", ".join(f"{k} {v}" for k, v in a["fault_kinds"].items() if v)
     lines = [
         f"chaos: {cfg.nodes} nodes x {cfg.procs_per_node} ranks ({cfg.frontend}), period {cfg.period}, accelerator-"
-        f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}",
+        f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}; "
+        f"heartbeat timeout {cfg.heartbeat_timeout_ms} ms, rail timeout {cfg.timeout_s:g} s",
         f"  faults              {a['faults']} ({kinds or 'none'})",
         f"  goodput             {a['goodput']:.3f} of the run without faults ({a['useful_node_steps']} useful "
         f"node-steps in {a['seconds']:.0f} s; without faults {a['reference_seconds']:.0f} s)",
