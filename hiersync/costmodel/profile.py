@@ -286,17 +286,18 @@ PRESETS: dict[str, Profile] = {
             "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
         ),
     ),
-    # AWS p5.48xlarge: the 8x H100 node of h100-8rail behind 32x 100 Gb/s EFA (11.75 GB/s each,
-    # the 0.94 of line rate NDR reaches), AMD EPYC hosts, aws-ofi-nccl reporting 75 us to NCCL's
+    # AWS p5.48xlarge: the 8x H100 node of h100-8rail behind 32x 100 Gb/s EFA, which aws-ofi-nccl
+    # presents to NCCL as one 400 Gb/s device per GPU (47 GB/s, the 0.94 of line rate NDR reaches),
+    # AMD EPYC hosts, aws-ofi-nccl reporting 75 us to NCCL's
     # tuner; the fabric's step latency (29 us) and switch tiers (0.85 of the bandwidth per tier
     # above 4-node leaves) fitted on the published p5 all-reduces, 2-32 nodes
     # (docs/costmodel-validation.md; AWS publishes neither).
     "p5-efa": Profile(
         intra=Link.from_bandwidth(3.4e-6, 370e9),
-        inter=Link.from_bandwidth(14e-6, 11.75e9),
+        inter=Link.from_bandwidth(14e-6, 47e9),
         nodes=16,
         ranks_per_node=8,
-        rails=32,
+        rails=8,
         backend="nccl",
         nvls_gbps=480.0,
         gpu="hopper",
@@ -308,7 +309,8 @@ PRESETS: dict[str, Profile] = {
         copy_gbps=1500.0,
         name="p5-efa",
         source=(
-            "AWS p5.48xlarge: 8xH100 as h100-8rail; 32x 100 Gb/s EFA at 11.75 GB/s; aws-ofi-nccl reports 75 us "
+            "AWS p5.48xlarge: 8xH100 as h100-8rail; 32x 100 Gb/s EFA, 4 per GPU as one 400 Gb/s device at 47 GB/s; "
+            "aws-ofi-nccl reports 75 us "
             "(its platform table); fitted on published p5 all-reduces (docs/costmodel-validation.md): fabric "
             f"latency 29 us per step, 0.85 of the bandwidth per switch tier above 4-node leaves; {_NCCL_SRC}"
         ),
