@@ -330,3 +330,12 @@ def test_fit_switch_tiers_recovers_the_tiers_from_several_node_counts():
     )
     with pytest.raises(ValueError, match="nodes >= 1"):
         cm.fit_switch_tiers([(0, MiB, 1e-3)], flat)
+
+
+def test_the_16_plus_node_medians_do_not_get_worse(rows):
+    """docs/costmodel.md's table at 16+ nodes: scaled out (fitted below 16 nodes) and held out by source."""
+    scaled = medians(scale_out(rows))
+    assert {r: n for r, (_, n) in scaled.items() if n} == {"inter-bw": 7, "inter-mid": 4, "latency": 3}
+    assert scaled["inter-bw"][0] <= 0.132 and scaled["inter-mid"][0] <= 0.106 and scaled["latency"][0] <= 0.251
+    held = medians(leave_one_source_out(rows), min_nodes=16)
+    assert held["inter-bw"][0] <= 0.139 and held["inter-mid"][0] <= 0.17 and held["latency"][0] <= 0.251
