@@ -47,9 +47,10 @@ from torch.profiler import record_function
 from .futures import wait
 from .localsgd import chunk_by_bytes
 from .schedule import Schedule, fragment_layout
+from .topology import Topology
 from .transport import Marker, Transport, Window
 
-__all__ = ["Averager", "Launched", "Correction", "CrossNodeSync", "mean_into"]
+__all__ = ["Averager", "AveragerComm", "Launched", "Correction", "CrossNodeSync", "mean_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,61 @@ class Correction:
     @property
     def committed(self) -> bool:
         return self.window is None or bool(self.window.committed)
+
+
+class AveragerComm(Protocol):
+    """What an :class:`Averager` asks of the communication (:class:`~hiersync.collectives.HierComm`
+    implements it; ``tests/test_sync_engine.py``'s fake does too, with the same signatures).
+
+    Every cross-node leg goes through ``rail`` (a :class:`~hiersync.transport.Transport`);
+    the node's legs (``gather_node*``) over the intra group. Calls are issued in the same
+    order on every rank; every future is read through :func:`hiersync.futures.wait`.
+    """
+
+    topology: Topology
+    groups: Any
+    """This rank's groups: ``node_size`` (L) and ``local_rank`` are read."""
+    rail: Transport
+
+    def rail_nodes(self) -> int:
+        """Nodes that take part in a rail collective."""
+        ...
+
+    def rail_divisor(self) -> int:
+        """Nodes whose values a rail average is taken over (healed nodes send zeros)."""
+        ...
+
+    def contributes(self) -> bool:
+        """Whether this node's values enter the current rail average."""
+        ...
+
+    def average_shard(self, shard: torch.Tensor) -> torch.futures.Future:
+        """This rank's shard averaged on its rail (divided, then all-reduced in place)."""
+        ...
+
+    def average_across_nodes(self, flat: torch.Tensor) -> torch.futures.Future:
+        """A node-identical vector averaged across nodes (uneven nodes: through the leaders)."""
+        ...
+
+    def average_quantized(
+        self, packed: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.futures.Future:
+        """Quantized pieces averaged on the rail: all-to-all, ``reduce``, all-gather."""
+        ...
+
+    def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
+        """The node's shards all-gathered into ``out``."""
+        ...
+
+    def gather_node_after(
+        self,
+        ready: torch.futures.Future,
+        make_shard: Callable[[], torch.Tensor],
+        like: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.futures.Future:
+        """Once ``ready`` is done, the node's shards ``make_shard()`` all-gathered."""
+        ...
 
 
 class Averager(Protocol):

@@ -20,7 +20,7 @@ from hiersync.collectives import HierComm
 from hiersync.futures import completed
 from hiersync.localsgd import Registry
 from hiersync.schedule import Schedule, fragment_layout
-from hiersync.sync import CrossNodeSync
+from hiersync.sync import AveragerComm, CrossNodeSync
 from hiersync.topology import Topology
 from hiersync.transport import GroupRail
 
@@ -52,9 +52,20 @@ class _Comm:
         raise AttributeError(f"the engine used HierComm.{name}, which this test's fake does not model")
 
 
-def test_the_fake_comm_keeps_hiercomms_signatures():
-    for name in ("average_shard", "average_across_nodes"):
-        assert inspect.signature(getattr(_Comm, name)) == inspect.signature(getattr(HierComm, name)), name
+def test_hiercomm_and_the_fake_keep_the_averagers_comm_protocol():
+    """Every method of :class:`AveragerComm` exists on HierComm with the same signature, and
+    the fake's are the same; the fake's attributes are the protocol's."""
+    members = [n for n in AveragerComm.__dict__ if not n.startswith("_")]
+    methods = [n for n in members if callable(getattr(AveragerComm, n))]
+    assert {"average_shard", "average_quantized", "gather_node", "rail_divisor"} <= set(methods)
+    for name in methods:
+        want = inspect.signature(getattr(AveragerComm, name))
+        assert inspect.signature(getattr(HierComm, name)) == want, name
+        if name in _Comm.__dict__:
+            assert inspect.signature(getattr(_Comm, name)) == want, name
+    fake = _Comm(sharded=True)
+    for name in AveragerComm.__annotations__:
+        assert getattr(fake, name) is not None, name
 
 
 def _engine(kind: str, cfg: dict, params: list[torch.Tensor]) -> CrossNodeSync:
