@@ -286,23 +286,31 @@ def test_claims_within_one_compute_model():
     assert by["cpu", "hiersync_p4_stream"]["unsupported"] and by["cpu", "hiersync_p4_stream"]["step_s"] is None
     claims = bench_claims.check_claims(rows)
     got = {(c["compute"], c["claim"]): c for c in claims}
+    # one window of 4 steps per k=4 row: their noise is not known, so no step claim on them is decided
     c = got["accel", "streaming k=4 step <= 1.05x a step without inter-node traffic"]
-    assert c["ratio"] == pytest.approx(1.1) and c["met"] is False  # 4.4 / 4 steps = 1.1 s vs 1.0 s
+    assert c["ratio"] == pytest.approx(1.1) and c["verdict"] == "inconclusive" and c["met"] is None
+    assert c["low"] is None and "hiersync_p4_stream ran 4 steps" in c["interval_from"]
     c = got["accel", "streaming k=4 step <= 0.45x DDP"]
-    assert c["ratio"] == pytest.approx(0.275) and c["met"]
+    assert c["ratio"] == pytest.approx(0.275) and c["verdict"] == "inconclusive"
     c = got["accel", "streaming k=4 slowest step (p99) <= 0.6x blocking k=4's: no sync step"]
-    assert c["reference_value"] == pytest.approx(2.94) and c["met"] is True  # hiersync_p4's 3 s step
+    assert c["reference_value"] == pytest.approx(2.94) and c["verdict"] == "inconclusive"  # hiersync_p4's 3 s step
     c = got["accel", "streaming k=4 step <= 0.62x PyTorch post-local SGD k=4"]
-    assert c["ratio"] == pytest.approx(1.1 / 1.5) and c["met"] is False  # post-local: 6 s over 4 steps
+    assert c["ratio"] == pytest.approx(1.1 / 1.5) and c["met"] is None  # post-local: 6 s over 4 steps
+    # bytes are counted, not sampled: judged as they are
     peak = got["accel", "streaming k=4's busiest step sends <= 0.4x a whole-model sync"]
     assert peak["ratio"] == pytest.approx(0.25) and peak["met"] and "hiersync_p4" in peak["reference_name"]
+    assert peak["verdict"] == "pass" and peak["interval_from"] == "counted"
     # the CPU streaming row could not be built: reported, not compared
-    assert got["cpu", "streaming k=4's busiest step sends <= 0.4x a whole-model sync"]["met"] is None
+    assert got["cpu", "streaming k=4's busiest step sends <= 0.4x a whole-model sync"]["verdict"] is None
     assert {c for c, _ in got} == {"accel", "cpu"} and len([1 for c, _ in got if c == "cpu"]) == 1
     text = bench_claims.format_claims(claims)
-    assert "FAIL  streaming k=4 step <= 1.05x a step without inter-node traffic [accel, mlp, 25 MB buckets]" in text
-    assert "n/a   streaming k=4's busiest step sends <= 0.4x a whole-model sync [cpu" in text
-    assert "issue" not in text
+    assert (
+        "streaming k=4 step <= 1.05x a step without inter-node traffic [accel, mlp, 25 MB buckets]: 1.10x "
+        "inconclusive (noise unknown: hiersync_p4_stream ran 4 steps, under 2 windows" in text
+    )
+    assert "streaming k=4's busiest step sends <= 0.4x a whole-model sync [cpu, mlp, 25 MB buckets]: n/a (" in text
+    assert "0.25x PASS (counted); hiersync_p4_stream 0.0 MB" in text
+    assert "FAIL" not in text and "issue" not in text
     table = bench_table.format_table(rows)
     assert "compute cpu: real CPU compute" in table and "compute accel: accelerator-like" in table
     assert "not supported by this hiersync version" in table
@@ -311,16 +319,120 @@ def test_claims_within_one_compute_model():
     assert "| hiersync_p4_stream | cpu | not supported by this hiersync version |" in md
 
 
+def _steps(mean: float, k: int, windows: int, wobble: float = 0.0, sync: float = 0.0) -> str:
+    """``windows`` windows of ``k`` steps, ";"-joined: the k-th step ``sync`` s slower than the others by design
+    (every window's mean is the same for it), the windows' means ``mean`` +- ``wobble`` in turn."""
+    out = []
+    for w in range(windows):
+        m = mean + (wobble if w % 2 else -wobble)
+        base = m - sync / k
+        out += [base] * (k - 1) + [base + sync] if k > 1 else [m]
+    return ";".join(f"{x:.6f}" for x in out)
+
+
+def _floor_rows(stream: float, intra: float, wobble: float) -> list[dict]:
+    """The streaming row (24 steps, 6 windows of 4 with a 40 ms fragment step) and intra_only's (24 steps),
+    both scattering by +-``wobble`` from one window (or batch of 4 steps) to the next."""
+    base = dict(model="mlp", bucket_mb=25.0, compute="accel", unsupported=None, fragments=1, overlap=0,
+                step_p99_s=None, inter_mb_step_peak=None, whole_sync_mb=None)  # fmt: skip
+    return [
+        {**base, "schedule": "hiersync_p4_stream", "kind": "hiersync", "period": 4, "step_s": stream,
+         "step_durations_s": _steps(stream, 4, 6, wobble * stream, sync=0.04)},
+        {**base, "schedule": "intra_only", "kind": "intra_only", "period": None, "step_s": intra,
+         "step_durations_s": _steps(intra, 4, 6, wobble * intra)},  # slow and quick spells of 4 steps
+    ]  # fmt: skip
+
+
+def test_noise_of_a_mean_from_batch_means():
+    from hiersync.tools import bench_noise
+
+    # Student's t against its table (two-sided 95%): exact at 1 and 2 degrees of freedom, rounded down between
+    for df, t in ((1, 12.706), (2, 4.303), (2.9, 4.303), (3, 3.182), (5, 2.571), (10, 2.228), (30, 2.042)):
+        assert bench_noise.t_quantile(0.975, df) == pytest.approx(t, rel=2e-3), df
+    with pytest.raises(ValueError, match=r"df=0\.5"):
+        bench_noise.t_quantile(0.975, 0.5)
+    # a window's steps differ by design (the sync step), their means do not: no noise
+    steps = [float(x) for x in _steps(0.5, 4, 6, sync=0.3).split(";")]
+    assert max(steps) - min(steps) == pytest.approx(0.3)
+    mean, se, df = bench_noise.mean_and_se(steps, 4)
+    assert mean == pytest.approx(0.5) and se == pytest.approx(0.0, abs=1e-9) and df == 5
+    # the windows' means scatter: the standard error is theirs over sqrt(windows)
+    steps = [float(x) for x in _steps(0.5, 4, 6, wobble=0.01, sync=0.3).split(";")]
+    mean, se, df = bench_noise.mean_and_se(steps, 4)
+    assert se == pytest.approx(statistics.stdev([0.49, 0.51] * 3) / math.sqrt(6), rel=1e-4)
+    assert bench_noise.mean_and_se(steps[:7], 4) is None  # one whole window
+    # a period-1 row's steps are autocorrelated: batched by 4 (else 2) while 4 batches remain
+    assert [bench_noise.batch_length(n) for n in (3, 8, 15, 16, 40)] == [1, 2, 2, 4, 4]
+    assert bench_noise.batch_length(8, 4) == 4
+    # a slow spell of 4 steps in a row: batches of 4 see it, one step at a time would not as much
+    spell = [0.5] * 12 + [0.6] * 4 + [0.5] * 8
+    assert bench_noise.mean_and_se(spell)[1] > statistics.stdev(spell) / math.sqrt(len(spell))
+
+
+def test_claim_verdicts_carry_the_runs_noise():
+    def floor_claim(stream: float, intra: float, wobble: float) -> dict:
+        checked = bench_claims.check_claims(_floor_rows(stream, intra, wobble))
+        (c,) = [c for c in checked if "1.05x a step without" in c["claim"]]
+        return c
+
+    quiet = floor_claim(0.500, 0.500, 0.002)  # 1.00x, +-0.6%
+    assert quiet["verdict"] == "pass" and quiet["met"] is True and quiet["low"] < 1.0 < quiet["high"] < 1.05
+    slow = floor_claim(0.600, 0.500, 0.002)  # 1.20x
+    assert slow["verdict"] == "fail" and slow["met"] is False and slow["low"] > 1.05
+    # the point ratio alone would say FAIL (1.08x) and PASS (1.02x): the windows scatter by +-5%, so neither
+    for ratio in (1.08, 1.02):
+        noisy = floor_claim(0.5 * ratio, 0.500, 0.05)
+        assert noisy["ratio"] == pytest.approx(ratio)
+        assert noisy["verdict"] == "inconclusive" and noisy["met"] is None, ratio
+        assert noisy["low"] < 1.05 < noisy["high"] and noisy["noise"] > 0.03
+        assert noisy["confidence"] == 0.95 and noisy["interval_from"] == "mean"
+    line = bench_claims.format_claims([noisy])
+    assert line.startswith("streaming k=4 step <= 1.05x a step without inter-node traffic [accel, mlp, 25 MB buckets]:")
+    assert f": 1.02x [{noisy['low']:.2f}, {noisy['high']:.2f}] inconclusive (noise +-{noisy['noise']:.0%}); " in line
+    assert "hiersync_p4_stream 0.510 s / intra_only mean 0.500 s" in line
+    assert ": 1.20x [" in bench_claims.format_claims([slow]) and "] FAIL (noise +-" in bench_claims.format_claims(
+        [slow]
+    )
+    # the interval is the log-scale t interval of the two rows' batch means (6 windows; 6 batches of 4 steps)
+    from hiersync.tools import bench_noise
+
+    a = [0.5 * 1.02 * (1 + (0.05 if w % 2 else -0.05)) for w in range(6)]
+    b = [0.5 * (1 + (0.05 if w % 2 else -0.05)) for w in range(6)]
+    rel = math.sqrt(sum((statistics.stdev(x) / statistics.fmean(x)) ** 2 / 6 for x in (a, b)))
+    half = bench_noise.t_quantile(0.975, 10) * rel  # Welch: equal relative variances, 5 + 5 degrees of freedom
+    assert noisy["low"] == pytest.approx(1.02 * math.exp(-half), rel=1e-3)
+    assert noisy["high"] == pytest.approx(1.02 * math.exp(half), rel=1e-3)
+
+
+def test_quantile_claim_bootstrap_is_seeded():
+    from hiersync.tools import bench_noise
+
+    stream = [float(x) for x in _steps(0.5, 4, 6, wobble=0.01, sync=0.04).split(";")]
+    blocking = [float(x) for x in _steps(0.8, 4, 4, wobble=0.02, sync=1.2).split(";")]
+    one = bench_noise.quantile_ratio_interval(stream, 4, blocking, 4, 99)
+    assert one == bench_noise.quantile_ratio_interval(stream, 4, blocking, 4, 99)  # a fixed seed
+    assert one.low <= one.estimate <= one.high and one.high < 0.6  # a no-sync step against a sync step
+    assert bench_noise.quantile_ratio_interval(stream, 4, blocking[:4], 4, 99) is None  # one window
+
+
 def test_rows_of_a_near_even_claim_are_timed_longer():
-    # streaming vs its floor (1.05x) needs steady means; 0.9x, p99, bytes and torchft's fastest do not add rows
-    assert bench_claims.steady_rows() == {("hiersync_p4_stream", "accel"), ("intra_only", "accel")}
+    # streaming vs its floor (1.05x) needs steady means; the k=4 rows whose means a claim compares need windows
+    # (post-local SGD's, FSDP2 streaming's), and so do the rows the cost model's check judges; DDP and k=1 rows
+    # (4 batches of a step in 4 steps), p99, bytes and torchft's fastest add none
+    assert bench_claims.steady_rows() == {
+        ("hiersync_p4_stream", "accel"), ("intra_only", "accel"), ("postlocal_k4", "accel"),
+        ("fsdp_hiersync_p4_stream", "accel"), ("hiersync_p4", "accel"), ("hiersync_p4_stream_bf16", "accel"),
+    }  # fmt: skip
     mine = [
         bench_claims.Claim("a", ("cpu", "accel"), "x", "mean", "y", "mean", 0.97),
         bench_claims.Claim("b", ("accel",), "x", "mean", "torchft_fastest", "mean", 1.0),
         bench_claims.Claim("c", ("accel",), "z", "mean", "w", "mean", 0.9),
         bench_claims.Claim("d", ("accel",), "z", "p99", "w", "p99", 1.0),
+        bench_claims.Claim("e", ("cpu",), "hiersync_p8", "mean", "ddp", "mean", 0.5),
     ]
-    assert bench_claims.steady_rows(mine) == {("x", "cpu"), ("y", "cpu"), ("x", "accel"), ("y", "accel")}
+    assert bench_claims.steady_rows(mine, judged=frozenset()) == {
+        ("x", "cpu"), ("y", "cpu"), ("x", "accel"), ("y", "accel"), ("hiersync_p8", "cpu"),
+    }  # fmt: skip
     config = {"min_seconds": 4.0}
     stream, ddp = bench_spec.parse_schedule("hiersync_p4_stream"), bench_spec.parse_schedule("ddp")
     assert bench_steps._min_seconds(config, stream, "accel") == 4.0 * bench_spec.STEADY_FACTOR
@@ -556,7 +668,7 @@ def _model_rows():
         p4o = cm.step_time("hiersync", period=4, placement="overlap", compress_ratio=0.5, **kw).step_s
         row("hiersync_p4_overlap_bf16", "hiersync", 4, p4o, overlap=1, compress="bf16")
         stream = cm.step_time("hiersync", period=4, fragments=4, overlap=1, placement="overlap", **kw).step_s
-        row("hiersync_p4_stream", "hiersync", 4, intra + 1.5 * (stream - intra), fragments=4, overlap=1)
+        row("hiersync_p4_stream", "hiersync", 4, intra + 3 * (stream - intra), fragments=4, overlap=1)
         row("hiersync_p8_stream", "hiersync", 8, intra - 0.01, fragments=8, overlap=1)  # faster than intra_only
     return rows
 
@@ -571,7 +683,7 @@ def test_cost_model_beside_the_bench(tmp_path):
     for c in ("cpu", "accel"):
         for name in ("ddp", "intra_only", "hiersync_p4", "hiersync_p4_overlap_bf16"):
             assert got[c, name]["error"] == pytest.approx(0.0, abs=1e-9), name
-        assert got[c, "hiersync_p4_stream"]["error"] == pytest.approx(-1 / 3)
+        assert got[c, "hiersync_p4_stream"]["error"] == pytest.approx(-2 / 3)
         assert got[c, "ddp"]["reference"] == "compute_only" and got[c, "hiersync_p4"]["reference"] == "intra_only"
         assert got[c, "hiersync_p8_stream"]["error"] is None  # nothing exposed: no relative error
     # the bf16 overlap row is priced with half the bytes: it differs from the fp32 figure
@@ -580,28 +692,33 @@ def test_cost_model_beside_the_bench(tmp_path):
     assert {t["schedule"] for t in targets} == {"hiersync_p4", "hiersync_p4_overlap_bf16", "hiersync_p4_stream",
                                                  "hiersync_p8_stream"}  # fmt: skip
     assert all(t["compute"] == "accel" for t in targets)
+    # no per-step times: the noise is not known, nothing is decided
+    assert {t["verdict"] for t in targets} == {"inconclusive"}
     text = bench_model.format_model_targets(targets)
-    assert "PASS  cost model predicts hiersync_p4's exposed sync within 20%" in text
-    assert "FAIL  cost model predicts hiersync_p4_stream's exposed sync within 20%" in text and "(-33%;" in text
-    assert "n/a   cost model predicts hiersync_p8_stream's exposed sync" in text and "issue" not in text
-    assert "the bench's noise is not known from fewer than 4 windows per row" in text  # no per-step durations
-    # with per-step durations: the standard error of the exposed time, from k-step window means
+    assert "cost model predicts hiersync_p4's exposed sync within 20% or 10 ms [accel" in text
+    assert "inconclusive (noise unknown: a row of under 2 windows" in text and "issue" not in text
+    # with per-step durations (6 windows or batches of 4, +-2 ms): the difference's interval decides
     rows = _model_rows()
     for r in rows:
-        if r["compute"] == "accel" and r["schedule"] in ("hiersync_p4_stream", "intra_only"):
-            base = r["step_s"]
-            wobble = 0.004 if r["schedule"] == "intra_only" else 0.003  # window means base +- wobble
-            r["step_durations_s"] = ";".join(
-                f"{base + (wobble if w % 2 else -wobble):.6f}" for w in range(4) for _ in range(4)
-            )
+        if r["compute"] == "accel":
+            r["step_durations_s"] = _steps(r["step_s"], 4, 6, wobble=0.002, sync=0.1 if r["period"] else 0.0)
     got = {(e["compute"], e["schedule"]): e for e in bench_model.compare(rows, get_preset("emulated"), nodes=2,
                                                                           ranks_per_node=2)}  # fmt: skip
-    se = got["accel", "hiersync_p4_stream"]["measured_se_s"]
-    one = lambda w: math.sqrt(statistics.variance([-w, w, -w, w]) / 4)
-    assert se == pytest.approx(math.sqrt(one(0.003) ** 2 + one(0.004) ** 2), rel=1e-4)
-    assert got["cpu", "hiersync_p4_stream"]["measured_se_s"] is None
-    line = bench_model.format_model_targets(bench_model.model_targets(list(got.values())))
-    assert f"bench +-{2e3 * se:.0f} ms (2 SE)" in line
+    p4 = got["accel", "hiersync_p4"]
+    assert p4["measured_low_s"] < p4["measured_s"] < p4["measured_high_s"] < p4["measured_s"] + 0.005
+    assert got["cpu", "hiersync_p4_stream"]["measured_low_s"] is None
+    judged = {t["schedule"]: t for t in bench_model.model_targets(list(got.values()))}
+    assert judged["hiersync_p4"]["verdict"] == "pass" and judged["hiersync_p4"]["met"] is True  # error 0
+    assert judged["hiersync_p4_stream"]["verdict"] == "fail"  # 54 ms measured, 18 predicted: 8-28 tolerated
+    assert judged["hiersync_p4_stream"]["tolerated_s"] == pytest.approx([0.0179 - 0.010, 0.0179 + 0.010], abs=2e-4)
+    # measured -10 ms, predicted 9 ms: judged within 10 ms (-1..19 ms), not in per cent of nothing
+    assert judged["hiersync_p8_stream"]["verdict"] == "fail" and judged["hiersync_p8_stream"]["error"] is None
+    line = bench_model.format_model_targets(list(judged.values()))
+    low, high = (x * 1e3 for x in (p4["measured_low_s"], p4["measured_high_s"]))
+    assert (
+        f"bench 302 ms [{low:.0f}, {high:.0f}] PASS (noise +-" in line
+        and "model 302 ms, tolerates [251, 377] ms" in line
+    )
     table = bench_model.format_comparison(entries, "the emulated preset")
     assert "cpu rows: gloo's transfers take the 2 cores" in table and "hiersync_p4_overlap_bf16" in table
 
@@ -845,14 +962,16 @@ def test_fsdp_rows_memory_over_hsdp_and_claims():
     assert by["accel", "fsdp_hsdp"]["extra_mb"] == 0.0 and by["accel", "fsdp_hsdp"]["vs_hsdp"] == 1.0
     checked = {(c["claim"], c["compute"]): c for c in bench_claims.check_claims(rows)}
     step = checked["FSDP2 streaming k=4 step <= 0.65x FSDP2 HSDP's", "accel"]
-    assert step["ratio"] == pytest.approx(0.5) and step["met"]
+    assert step["ratio"] == pytest.approx(0.5) and step["verdict"] == "inconclusive"  # one window of streaming
     memory = [c for (label, _), c in checked.items() if "extra memory" in label]
     assert len(memory) == 2  # once per row, not once per compute model
     by_claim = {c["schedule"]: c for c in memory}
     assert by_claim["fsdp_hiersync_p4_stream"]["met"] is False and by_claim["fsdp_hiersync_p4"]["met"] is True
     text = bench_claims.format_claims(list(checked.values()))
-    assert "FAIL  FSDP2 streaming k=4 extra memory per rank <= 3x the rank's own fp32 shard" in text
-    assert "71.0 MB / the rank's own fp32 shard 21.0 MB = 3.38x" in text
+    assert (
+        "FSDP2 streaming k=4 extra memory per rank <= 3x the rank's own fp32 shard [accel, mlp, 25 MB buckets]: "
+        "3.38x FAIL (counted); fsdp_hiersync_p4_stream 71.0 MB / the rank's own fp32 shard 21.0 MB" in text
+    )
     table = bench_table.format_table(rows)
     assert "FSDP2 row" in table and "vs HSDP" in table and "3.38x" in table and "FSDP2 HSDP's" in table
     assert "| fsdp_hiersync_p4_stream | 1.000 |" in bench_table.format_table(rows, markdown=True)

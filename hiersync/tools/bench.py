@@ -41,8 +41,10 @@ model averager). Per row the table gives the mean step time and the p50/p99 of t
 per-step durations (a step ends when its last rank ends it: :func:`.bench_rows.step_durations`),
 the mean and peak inter-node MB a node sent per step (on the testbed counted on each node's
 link, the same way for every row; on loopback hiersync's counters or a ring model), and the
-extra peak memory per rank over DDP's. The claims hiersync makes are checked as PASS/FAIL
-lines (reports, never a failed command), and with ``--peers torchft`` the ratios of hiersync's
+extra peak memory per rank over DDP's. The claims hiersync makes are checked, each ratio with
+the 95% interval its rows' per-step times give it (:mod:`.bench_noise`): PASS or FAIL only where
+the interval is clear of the bound, inconclusive where it holds it (reports, never a failed
+command), and with ``--peers torchft`` the ratios of hiersync's
 streaming rows to each torchft row. Then the cost model's prediction of each row's exposed
 time, given the run's own measured compute, beside the measurement (:mod:`.bench_model`;
 ``--profile`` picks the link profile).
@@ -336,7 +338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=4.0,
         help="time whole windows of a row's steps for at least this long (fast rows: a steady mean); "
-        "3x as long for the rows a claim compares with a bound within 6%% of 1x",
+        "3x as long for the rows whose means a claim compares with a bound within 6%% of 1x, the k-step rows "
+        "whose means a claim compares, and those the cost model's check judges (their noise is known from windows)",
     )
     g.add_argument(
         "--repeat",
@@ -462,7 +465,18 @@ def run(args: argparse.Namespace) -> int:
     if ratios:
         print("\n" + format_peer_ratios(ratios) + "\n")
     if claims:
-        print("hiersync's claims on this testbed, checked in this run (reports, not assertions):")
+        print(
+            "hiersync's claims on this testbed, checked in this run (reports, not assertions): each ratio with its "
+            "95% interval from this run's per-step times;\nPASS or FAIL only where the interval is clear of the "
+            "bound, inconclusive where it holds it (more --min-seconds narrows it)"
+        )
+        busy = max(env["loadavg_1min_before"], env["loadavg_1min_after"])
+        if env["cpus"] and busy > env["cpus"]:
+            print(
+                f"(load average up to {busy:.1f} on {env['cpus']} cores: other work took the cores the ranks need, "
+                "so a step waits for one at random; the intervals hold that within a row, not a load that changed "
+                "between rows; rerun on a quiet machine before reading a FAIL as hiersync's)"
+            )
         print(format_claims(claims))
         if raw["testbed"]["mode"] != "netns":
             print("(loopback: inter-node links are NOT shaped, so these ratios say nothing about a slow network)")

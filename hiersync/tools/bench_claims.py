@@ -3,8 +3,10 @@
 Each :class:`Claim` compares two rows of the same run and compute model: a statistic of one
 schedule (mean step, p99 step, mean or peak inter-node MB per step) against a statistic of a
 reference (another schedule, a whole-model sync, or torchft's Streaming DiLoCo at the same k),
-with a bound. :func:`check_claims` evaluates every claim whose rows ran; :func:`peer_ratios`
-puts hiersync's streaming rows beside each torchft row. Pure.
+with a bound. :func:`check_claims` evaluates every claim whose rows ran, with the interval the
+run's own step-to-step noise puts around each ratio of step times (:mod:`.bench_noise`): PASS or
+FAIL only where that interval is clear of the bound, ``inconclusive`` where it holds it;
+:func:`peer_ratios` puts hiersync's streaming rows beside each torchft row. Pure.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import bench_noise
 from .bench_rows import row_key
+from .bench_spec import NEVER, parse_schedule
 
 __all__ = [
     "Claim",
     "CLAIMS",
     "check_claims",
     "format_claims",
+    "format_verdict",
+    "MODEL_ROWS",
     "peer_ratios",
     "format_peer_ratios",
     "steady_rows",
@@ -48,7 +54,7 @@ CLAIMS: tuple[Claim, ...] = (
     # Accelerator-like compute: a GPU host's CPU is idle while the device computes, so transfers
     # can hide behind compute; with real CPU compute the 2 cores of this box run both. Each row's
     # mean is over at least --min-seconds of whole windows (8 steps of the k=4 rows by default);
-    # the rows of a claim with a bound within 6% of 1x are timed STEADY_FACTOR times as long (steady_rows).
+    # the rows steady_rows names are timed STEADY_FACTOR times as long.
     Claim("streaming k=4 step <= 0.62x PyTorch post-local SGD k=4", ("accel",), "hiersync_p4_stream", "mean",
           "postlocal_k4", "mean", 0.62),
     Claim("streaming k=4 step <= 0.45x DDP", ("accel",), "hiersync_p4_stream", "mean", "ddp", "mean", 0.45),
@@ -87,32 +93,54 @@ _ONCE = ("extra",)
 """Statistics measured once per run (the memory pass), whatever the compute model: checked once."""
 
 
-def steady_rows(claims: Sequence[Claim] = CLAIMS, near: float = 0.06) -> frozenset[tuple[str, str]]:
-    """(schedule, compute model) of the rows whose mean step a claim compares with a bound within
-    ``near`` of 1x: two nearly equal means, which must each be steady to about 1% (a step here
-    scatters by +-5%, so 8 steps are not enough). References that are not one schedule
-    (torchft's fastest row) are left out.
+MODEL_ROWS: frozenset[tuple[str, str]] = frozenset(
+    {("hiersync_p4", "accel"), ("hiersync_p4_stream", "accel"), ("hiersync_p4_stream_bf16", "accel"),
+     ("intra_only", "accel")}
+)  # fmt: skip
+"""The default run's rows whose exposed sync the cost model's check judges (:mod:`.bench_model`), and its reference."""
+
+
+def _windowed(name: str) -> bool:
+    try:
+        period = parse_schedule(name).period
+    except ValueError:
+        return False
+    return 1 < period < NEVER
+
+
+def steady_rows(
+    claims: Sequence[Claim] = CLAIMS, near: float = 0.06, judged: frozenset[tuple[str, str]] = MODEL_ROWS
+) -> frozenset[tuple[str, str]]:
+    """(schedule, compute model) of the rows timed ``STEADY_FACTOR`` times as long: the rows whose mean
+    step a claim compares with a bound within ``near`` of 1x (two nearly equal means, which must each
+    be steady to about 1%), the rows of period k > 1 whose mean a claim compares (in --min-seconds
+    they run 2 windows, and the noise of a mean is known from its windows: 6 give a useful
+    interval), and ``judged``. References that are not one schedule (torchft's fastest row) are left out.
     """
-    out = set()
+    out = set(judged)
     for c in claims:
-        if c.statistic != "mean" or abs(c.bound - 1.0) > near:
+        if c.statistic != "mean":
             continue
+        names = [c.schedule]
+        if c.reference_statistic == "mean" and not c.reference.startswith("torchft_"):
+            names.append(c.reference)
         for compute in c.computes:
-            out.add((c.schedule, compute))
-            if c.reference_statistic == "mean" and not c.reference.startswith("torchft_"):
-                out.add((c.reference, compute))
+            for name in names:
+                if abs(c.bound - 1.0) <= near or _windowed(name):
+                    out.add((name, compute))
     return frozenset(out)
 
 
-def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | None, str] | None:
+def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | None, str, dict | None] | None:
+    """(the reference's value, its name, its row where it is one row of the run), or None where it did not run."""
     model, bucket, compute = key
     if claim.reference == "own_shard":
-        return row.get("shard_mb"), "the rank's own fp32 shard"
+        return row.get("shard_mb"), "the rank's own fp32 shard", None
     if claim.reference == "whole_sync":
         p4 = by.get((model, bucket, compute, "hiersync_p4"))
         if p4 is not None and p4.get("inter_mb_step_peak"):
-            return p4["inter_mb_step_peak"], "hiersync_p4's sync step"
-        return row.get("whole_sync_mb"), "one whole-model fp32 average, 2(N-1)/N x 4P per node"
+            return p4["inter_mb_step_peak"], "hiersync_p4's sync step", p4
+        return row.get("whole_sync_mb"), "one whole-model fp32 average, 2(N-1)/N x 4P per node", None
     name = claim.reference
     k = row["period"]
     if name == "torchft_streaming":
@@ -130,16 +158,46 @@ def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | N
     ref = by.get((model, bucket, compute, name))
     if ref is None:
         return None
-    return (
-        None if ref["unsupported"] else ref[_STAT[claim.reference_statistic]]
-    ), f"{name} {claim.reference_statistic}"
+    value = None if ref["unsupported"] else ref[_STAT[claim.reference_statistic]]
+    return value, f"{name} {claim.reference_statistic}", ref
+
+
+_QUANTILE = {"p50": 50.0, "p99": 99.0}
+
+
+def _interval(claim: Claim, row: dict, ref: dict | None, ratio: float) -> tuple[bench_noise.Interval | None, str]:
+    """The ratio's interval from both rows' per-step times, and what it comes from (or why there is none)."""
+    if claim.statistic in _MB:
+        return None, "counted"
+    if ref is None or claim.statistic != claim.reference_statistic:
+        return None, "noise unknown"
+    steps, ref_steps = bench_noise.steps_of(row), bench_noise.steps_of(ref)
+    k, ref_k = row.get("period") or 1, ref.get("period") or 1
+    if claim.statistic == "mean":
+        got = bench_noise.ratio_interval(steps, k, ref_steps, ref_k, estimate=ratio)
+    else:
+        got = bench_noise.quantile_ratio_interval(
+            steps, k, ref_steps, ref_k, _QUANTILE[claim.statistic], estimate=ratio
+        )
+    if got is None:
+        few = [
+            f"{r['schedule']} ran {len(s)} steps"
+            for r, s, p in ((row, steps, k), (ref, ref_steps, ref_k))
+            if len(s) < 2 * bench_noise.batch_length(len(s), p)
+        ]
+        return None, f"noise unknown: {', '.join(few) or 'no per-step times'}, under 2 windows; more --min-seconds"
+    return got, "mean" if claim.statistic == "mean" else "bootstrap"
 
 
 def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list[dict]:
     """Every claim, per model and bucket size, where both of its rows ran.
 
-    ``met`` is None where a row ran but has no number (the installed hiersync cannot build it,
-    or nothing counted its bytes).
+    ``verdict``: ``"pass"`` or ``"fail"`` where the ratio's interval (``low``..``high``, from both
+    rows' per-step times: :mod:`.bench_noise`) is clear of the bound, ``"inconclusive"`` where it
+    holds the bound or the noise is not known (a row of under 2 windows), None where a row ran but
+    has no number (the installed hiersync cannot build it, or nothing counted its bytes). ``met``:
+    True on a pass, False on a fail, else None. Bytes and memory are counted, not sampled: their
+    ratio is judged as it is.
     """
     by = {row_key(r): r for r in rows}
     out = []
@@ -158,9 +216,18 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
             ref = _reference(by, key, claim, row)
             if ref is None:
                 continue
-            ref_value, ref_name = ref
+            ref_value, ref_name, ref_row = ref
             value = None if row["unsupported"] else row[_STAT[claim.statistic]]
             ratio = value / ref_value if value is not None and ref_value else None
+            interval, source = (None, "") if ratio is None else _interval(claim, row, ref_row, ratio)
+            if ratio is None:
+                verdict = None
+            elif interval is not None:
+                verdict = bench_noise.verdict(interval, claim.bound)
+            elif source == "counted":
+                verdict = "pass" if ratio <= claim.bound else "fail"
+            else:
+                verdict = "inconclusive"
             out.append(
                 {
                     "claim": claim.label,
@@ -175,25 +242,42 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
                     "unit": "MB" if claim.statistic in _MB else "s",
                     "ratio": ratio,
                     "bound": claim.bound,
-                    "met": None if ratio is None else ratio <= claim.bound,
+                    **(interval.as_dict() if interval else {"low": None, "high": None, "noise": None}),
+                    "confidence": bench_noise.CONFIDENCE if interval else None,
+                    "interval_from": source or None,
+                    "verdict": verdict,
+                    "met": {"pass": True, "fail": False}.get(verdict or ""),
                     "why_not": row["unsupported"] or None,
                 }
             )
     return out
 
 
+def format_verdict(t: dict) -> str:
+    """``1.03x [0.98, 1.08] inconclusive (noise +-5%)``: the ratio, its interval and the verdict."""
+    ratio = f"{t['ratio']:.2f}x"
+    if t.get("low") is not None:
+        ratio += f" [{t['low']:.2f}, {t['high']:.2f}]"
+    word = {"pass": "PASS", "fail": "FAIL"}.get(t["verdict"], t["verdict"])
+    if t.get("noise") is not None:
+        why = f"noise +-{t['noise']:.0%}"
+    else:
+        why = t.get("interval_from") or "noise unknown"
+    return f"{ratio} {word} ({why})"
+
+
 def format_claims(checked: Sequence[dict]) -> str:
-    """One line per claim: PASS/FAIL (or n/a) with both numbers and the ratio."""
+    """One line per claim: the ratio, its interval and the verdict, then both numbers (or n/a and why)."""
     lines = []
     for t in checked:
         where = f"[{t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
-        if t["met"] is None:
-            lines.append(f"n/a   {t['claim']} {where}: {t['why_not'] or 'no number'}")
+        if t["verdict"] is None:
+            lines.append(f"{t['claim']} {where}: n/a ({t['why_not'] or 'no number'})")
             continue
         fmt = ".1f" if t["unit"] == "MB" else ".3f"
         lines.append(
-            f"{'PASS' if t['met'] else 'FAIL'}  {t['claim']} {where}: {t['schedule']} {t['value']:{fmt}} {t['unit']}"
-            f" / {t['reference_name']} {t['reference_value']:{fmt}} {t['unit']} = {t['ratio']:.2f}x"
+            f"{t['claim']} {where}: {format_verdict(t)}; {t['schedule']} {t['value']:{fmt}} {t['unit']}"
+            f" / {t['reference_name']} {t['reference_value']:{fmt}} {t['unit']}"
         )
     return "\n".join(lines)
 

@@ -17,16 +17,18 @@ predicts every row the model knows:
   ``_overlap``, ``_stream``, ``_bf16``): *exposed sync*, the row's step minus
   ``intra_only``'s, the time the inter-node average adds to a local step.
 
-The claim checked is that the model predicts every after-step mode's exposed sync within 20%,
-judged on accelerator-like compute (with real CPU compute on this 2-core box gloo's
-transfers take the compute's cores, which the model does not price; the table still shows
-those rows, marked). Pure: no process group, no torch.distributed.
+The claim checked is that the model predicts every after-step mode's exposed sync within 20%
+or 10 ms, whichever is larger (a few ms of predicted exposure cannot be judged in per cent),
+judged on accelerator-like compute (with real CPU compute on a 2-core host gloo's transfers
+take the compute's cores, which the model does not price; the table still shows those rows,
+marked). The measured exposed time is a difference of two rows' means, each with its
+step-to-step noise: its 95% interval (:mod:`.bench_noise`) decides the verdict, PASS where it
+lies wholly within the tolerated band around the prediction, FAIL where wholly outside,
+inconclusive otherwise. Pure: no process group, no torch.distributed.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,10 +36,13 @@ from hiersync import costmodel as cm
 from hiersync.costmodel.compression import compress_ratio
 from hiersync.costmodel.planner import copy_speed
 
+from . import bench_noise
 from .netns import DEFAULT_RATE
 
 __all__ = [
     "EXPOSED_TOLERANCE",
+    "EXPOSED_FLOOR_S",
+    "tolerated",
     "resolve_profile",
     "compare",
     "format_comparison",
@@ -46,9 +51,9 @@ __all__ = [
 ]
 
 EXPOSED_TOLERANCE = 0.20
-"""The claim: predicted exposed sync time within 20% of the bench's."""
-MIN_WINDOWS = 4
-"""k-step windows a row needs for the bench's noise to be stated (the default run has 1-2)."""
+"""The claim: predicted exposed sync time within 20% of the bench's ..."""
+EXPOSED_FLOOR_S = 0.010
+"""... or within 10 ms of it, whichever is larger: one step's scheduling jitter on the testbed."""
 MiB = 2**20
 
 
@@ -75,17 +80,16 @@ def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profi
         raise ValueError(f"--profile={spec!r}: not a preset ({', '.join(cm.PRESETS)}) nor a readable file: {e}") from e
 
 
-def _mean_se(row: dict, k: int) -> float | None:
-    """Standard error of a row's mean step, from the means of its k-step windows (None: fewer than
-    ``MIN_WINDOWS``, too few for a standard deviation worth printing).
-
-    Steps within a window differ by design (the k-th carries the sync, or one fragment each), so
-    the windows, not the steps, are the independent samples.
-    """
-    text = row.get("step_durations_s") or ""
-    steps = [float(x) for x in text.split(";") if x]
-    windows = [sum(steps[i : i + k]) / k for i in range(0, len(steps) - k + 1, k)]
-    return statistics.stdev(windows) / math.sqrt(len(windows)) if len(windows) >= MIN_WINDOWS else None
+def _exposed_interval(row: dict, reference: dict, estimate: float) -> bench_noise.Interval | None:
+    """The interval of the row's exposed time (its mean step minus the reference's), from both rows'
+    per-step times (None: a row of under 2 windows)."""
+    return bench_noise.difference_interval(
+        bench_noise.steps_of(row),
+        row.get("period") or 1,
+        bench_noise.steps_of(reference),
+        reference.get("period") or 1,
+        estimate=estimate,
+    )
 
 
 def _placement(row: dict) -> str | None:
@@ -148,8 +152,7 @@ def compare(
             reference, measured = "intra_only", row["step_s"] - intra["step_s"]
         else:
             continue
-        k = row["period"] if row.get("period") and row["period"] > 1 else 1
-        se_row, se_ref = _mean_se(row, k), _mean_se(by[(model, bucket, compute, reference)], k)
+        interval = _exposed_interval(row, by[(model, bucket, compute, reference)], measured)
         out.append(
             dict(
                 model=model,
@@ -161,7 +164,8 @@ def compare(
                 predicted_s=predicted,
                 measured_s=measured,
                 error=(predicted - measured) / measured if measured > 0 else None,
-                measured_se_s=None if se_row is None or se_ref is None else math.hypot(se_row, se_ref),
+                measured_low_s=None if interval is None else interval.low,
+                measured_high_s=None if interval is None else interval.high,
                 step_s=row["step_s"],
             )
         )
@@ -175,19 +179,20 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     lines = [
         f"cost model vs bench (exposed ms per step; model: {source}, given each compute model's measured "
         "compute_only step and backward)",
-        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'+-2SE':>6s} "
+        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'95% ms':>6s} "
         f"{'error':>7s}",
     ]
     for e in entries:
         err = "-" if e["error"] is None else f"{e['error']:+.0%}"
-        noise = "-" if e.get("measured_se_s") is None else f"{2e3 * e['measured_se_s']:.0f}"
+        low, high = e.get("measured_low_s"), e.get("measured_high_s")
+        noise = "-" if low is None or high is None else f"+-{(high - low) / 2 * 1e3:.0f}"
         lines.append(
             f"{e['schedule']:24s} {e['compute']:7s} {e['reference']:13s} {e['predicted_s'] * 1e3:9.0f} "
             f"{e['measured_s'] * 1e3:9.0f} {noise:>6s} {err:>7s}"
         )
     lines.append(
-        "+-2SE: the bench's noise on its exposed ms, from the means of k-step windows of both rows ('-': fewer "
-        f"than {MIN_WINDOWS} windows; --steps 40 gives 10)"
+        "95% ms: the half width of the 95% interval of the bench's exposed ms, from the batch means of both rows' "
+        "per-step times ('-': a row of under 2 windows)"
     )
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
@@ -197,39 +202,64 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     return "\n".join(lines)
 
 
-def model_targets(entries: Sequence[dict], tolerance: float = EXPOSED_TOLERANCE) -> list[dict]:
-    """The cost model's claim: each after-step hiersync mode's exposed sync within ``tolerance``, on accel compute."""
+def tolerated(predicted: float, tolerance: float = EXPOSED_TOLERANCE, floor: float = EXPOSED_FLOOR_S):
+    """The measured exposed times the prediction is within ``tolerance`` of, or within ``floor`` seconds
+    of, whichever is larger: (low, high) seconds.
+
+    |predicted - m| <= max(tolerance x m, floor): m within ``floor`` of the prediction, or (a positive
+    prediction) m in [predicted / (1 + tolerance), predicted / (1 - tolerance)].
+    """
+    low, high = predicted - floor, predicted + floor
+    if predicted > 0:
+        low, high = min(low, predicted / (1 + tolerance)), max(high, predicted / (1 - tolerance))
+    return low, high
+
+
+def model_targets(
+    entries: Sequence[dict], tolerance: float = EXPOSED_TOLERANCE, floor: float = EXPOSED_FLOOR_S
+) -> list[dict]:
+    """The cost model's claim: each after-step hiersync mode's exposed sync within ``tolerance`` or ``floor``
+    (whichever larger), on accel compute. ``verdict``: ``"pass"`` where the measured time's interval lies
+    within :func:`tolerated`, ``"fail"`` where wholly outside, else ``"inconclusive"`` (also where a row has
+    under 2 windows: the noise is not known). ``met``: True on a pass, False on a fail, else None."""
     out = []
     for e in entries:
         if not e["after_step"] or e["compute"] != "accel":
             continue
-        met = None if e["error"] is None else abs(e["error"]) <= tolerance
-        out.append({**e, "tolerance": tolerance, "met": met})
+        low, high = tolerated(e["predicted_s"], tolerance, floor)
+        if e.get("measured_low_s") is None:
+            verdict = "inconclusive"
+        else:
+            interval = bench_noise.Interval(e["measured_s"], e["measured_low_s"], e["measured_high_s"])
+            verdict = bench_noise.verdict(interval, high, low)
+        out.append(
+            {
+                **e,
+                "tolerance": tolerance,
+                "floor_s": floor,
+                "tolerated_s": [low, high],
+                "verdict": verdict,
+                "met": {"pass": True, "fail": False}.get(verdict),
+            }
+        )
     return out
 
 
 def format_model_targets(targets: Sequence[dict]) -> str:
+    """One line per judged row: the measured exposed ms, its interval, the verdict, and the tolerated band."""
     lines = []
     for t in targets:
         what = (
-            f"cost model predicts {t['schedule']}'s exposed sync within {t['tolerance']:.0%} "
-            f"[{t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
+            f"cost model predicts {t['schedule']}'s exposed sync within {t['tolerance']:.0%} or "
+            f"{t['floor_s'] * 1e3:.0f} ms [{t['compute']}, {t['model']}, {t['bucket_mb']:g} MB buckets]"
         )
-        pred, meas = t["predicted_s"] * 1e3, t["measured_s"] * 1e3
-        if t["met"] is None:
-            lines.append(
-                f"n/a   {what}: bench measured {meas:.0f} ms (nothing exposed to compare), model {pred:.0f} ms"
-            )
-            continue
-        se = t.get("measured_se_s")
-        if se is None:
-            noise = f"; the bench's noise is not known from fewer than {MIN_WINDOWS} windows per row (more --steps)"
-        elif 2 * se > t["tolerance"] * t["measured_s"]:
-            noise = f"; bench +-{2e3 * se:.0f} ms (2 SE): wider than the {t['tolerance']:.0%} band, more --steps"
+        meas = t["measured_s"] * 1e3
+        word = {"pass": "PASS", "fail": "FAIL"}.get(t["verdict"], t["verdict"])
+        if t.get("measured_low_s") is None:
+            bench = f"{meas:.0f} ms {word} (noise unknown: a row of under 2 windows, more --min-seconds)"
         else:
-            noise = f"; bench +-{2e3 * se:.0f} ms (2 SE)"
-        lines.append(
-            f"{'PASS' if t['met'] else 'FAIL'}  {what}: model {pred:.0f} ms, bench {meas:.0f} ms "
-            f"({t['error']:+.0%}{noise})"
-        )
+            low, high = t["measured_low_s"] * 1e3, t["measured_high_s"] * 1e3
+            bench = f"{meas:.0f} ms [{low:.0f}, {high:.0f}] {word} (noise +-{(high - low) / 2:.0f} ms)"
+        band = ", ".join(f"{x * 1e3:.0f}" for x in t["tolerated_s"])
+        lines.append(f"{what}: bench {bench}; model {t['predicted_s'] * 1e3:.0f} ms, tolerates [{band}] ms")
     return "\n".join(lines)
