@@ -150,12 +150,16 @@ def test_nothing_lost_is_judged_at_the_same_useful_work():
     assert "+0.00% (yes)" in table([a], [1])
 
 
-def test_a_loss_above_the_reference_at_the_same_work_is_lost():
+def test_a_loss_above_the_reference_at_the_same_work_is_lost_one_below_it_is_not():
     at_work = 1.0 + (10.0 / 12 - 1.0) * (34 / 3 - 10) / 2
     a = analyze(_run(3, 12, restart={2: 4}, final=1.02 * at_work), _reference(3, 12), PERIOD, 3)
     assert a["val_loss_vs_work_matched"] == pytest.approx(0.02, rel=1e-4) and a["nothing_lost"] is False
     assert "nothing lost        NO: the final loss is +2.00%" in report(a, ChaosConfig(nodes=3))
     assert "+2.00% (NO)" in table([a], [1])
+    # below the reference at its useful work (its peers lost no optimizer step): nothing lost
+    a = analyze(_run(3, 12, restart={2: 4}, final=0.95 * at_work), _reference(3, 12), PERIOD, 3)
+    assert a["val_loss_vs_work_matched"] == pytest.approx(-0.05, rel=1e-4) and a["nothing_lost"] is True
+    assert "-5.00% (yes)" in table([a], [1])
 
 
 def test_without_a_reference_curve_nothing_lost_is_not_judged():

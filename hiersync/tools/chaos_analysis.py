@@ -8,8 +8,12 @@ reference's loss at the faulted run's useful work (:func:`reference_curve`,
 :func:`loss_at`): the reference records the validation loss of its synchronized model
 after every committed sync, so its loss after as many useful node-steps per node as the
 faulted run trained is read off that curve, at no extra run. "Nothing lost" (the faulted
-run's final loss within :data:`NOTHING_LOST` of the reference's) is judged on the latter:
-the work a fault takes away is charged by goodput, the state a fault could corrupt by this.
+run's final loss at most :data:`NOTHING_LOST` above the reference's) is judged on the latter:
+the work a fault takes away is charged by goodput, the state a fault could corrupt by this. It
+is one-sided: a run with faults can end below the reference at its useful work, since a dead
+node's lost steps cost its peers no optimizer step, while a reference stopped that early
+stopped every node early (the comparison at the same steps is the strict bound, this the
+lenient one; lost state shows above both).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ __all__ = [
 
 FAULTS = ("kill", "kill-rank", "freeze", "kill-source", "two", "partition")
 NOTHING_LOST = 0.01
-"""The goal: a run with faults ends within 1% of the run without faults at the same useful work."""
+"""The goal: a run with faults ends at most 1% above the run without faults at the same useful work."""
 
 
 @dataclass
@@ -266,7 +270,7 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
         "reference_sync_spread": spread,
         "work_matched_val_loss": matched,
         "val_loss_vs_work_matched": vs_matched,
-        "nothing_lost": None if vs_matched is None else abs(vs_matched) <= NOTHING_LOST,
+        "nothing_lost": None if vs_matched is None else vs_matched <= NOTHING_LOST,
         "errors": errors,
         "violations": violations,
     }
@@ -316,7 +320,7 @@ def _verdict(a: dict[str, Any]) -> str:
     word = "yes" if a["nothing_lost"] else "NO"
     return (
         f"{word}: the final loss is {a['val_loss_vs_work_matched']:+.2%} from the run without faults at the "
-        f"same useful work (the goal: within {NOTHING_LOST:.0%}, judged at the same useful work)"
+        f"same useful work (the goal: at most {NOTHING_LOST:.0%} above it; below it is no loss)"
     )
 
 
@@ -329,7 +333,7 @@ def table(analyses: list[dict[str, Any]], seeds: list[int]) -> str:
     lines = [
         "| seed | faults | goodput | stall p50 / p95 s | restart -> contributing p50 / p95 s | heal p50 s "
         "| windows dropped | val loss vs no faults (same steps) | vs no faults at the same useful work "
-        "(nothing lost: within 1%) | invariants |",
+        "(nothing lost: at most +1%) | invariants |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for seed, a in zip(seeds, analyses):
