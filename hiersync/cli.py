@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "day-one cluster check under torchrun: topology, parity with DDP, bandwidth, memory, profile",
     ),
     "calibrate": ("hiersync.tools.calibrate", "measure alpha/beta per level and write a JSON profile"),
-    "plan": ("hiersync.costmodel.planner", "predict step communication time and recommend bucket size and k"),
+    "plan": ("hiersync.costmodel.planner_cli", "predict step communication time and recommend bucket size and k"),
     "project": ("hiersync.costmodel.projection", "tabulate and plot predicted times for 8..1024 GPUs"),
 }
 

@@ -14,8 +14,8 @@ from hiersync import costmodel as cm
 from hiersync.vocab import MiB
 
 if TYPE_CHECKING:
-    from .planner import Plan, PlanRow
     from .planner_sweeps import StepsPenalties, StepsPenalty
+    from .plans import Plan, PlanRow
 
 __all__ = [
     "verdict",

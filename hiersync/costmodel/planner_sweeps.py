@@ -27,7 +27,7 @@ from hiersync import costmodel as cm
 from hiersync.vocab import MiB
 
 if TYPE_CHECKING:
-    from .planner import Plan, PlanRow
+    from .plans import Plan, PlanRow
 
 __all__ = [
     "NEAR_BEST",
