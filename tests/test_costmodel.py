@@ -833,7 +833,7 @@ def test_bits_per_element_and_the_block_constant(monkeypatch):
 
 
 def test_the_quantized_rail_average_by_hand():
-    from hiersync.costmodel import compression
+    from hiersync.costmodel import compression, predict
 
     emu = cm.PRESETS["emulated"].with_shape(nodes=4)  # gloo: the alpha-beta rings, so every leg is a formula
     shard = 8e6  # bytes of fp32 shard: 2e6 elements
@@ -842,12 +842,12 @@ def test_the_quantized_rail_average_by_hand():
     exchange = cm.reduce_scatter_time("ring", 4, wire, rail)  # all-to-all: (N-1)/N of it per rank, N-1 messages
     gather = cm.all_gather_time("ring", 4, wire, rail)
     quant = 3 * 2e6 * 4 / (compression.DEFAULT_QUANT_GBPS * 1e9)  # quantize, dequantize+sum, requantize, dequantize
-    assert compression.quantized_average_seconds(shard, emu, "int8") == pytest.approx(exchange + gather + quant)
+    assert predict.quantized_average_seconds(shard, emu, "int8") == pytest.approx(exchange + gather + quant)
     slow = replace(emu, quant_gbps=10.0)
     assert compression.quantize_seconds(2e6, 4, slow) == pytest.approx(3 * 8e6 / 10e9)
-    assert compression.quantized_average_seconds(shard, emu.with_shape(nodes=1), "int8") == 0.0
+    assert predict.quantized_average_seconds(shard, emu.with_shape(nodes=1), "int8") == 0.0
     with pytest.raises(ValueError, match="not quantized"):
-        compression.quantized_average_seconds(shard, emu, "bf16")
+        predict.quantized_average_seconds(shard, emu, "bf16")
 
 
 def test_step_time_prices_bits_per_element():

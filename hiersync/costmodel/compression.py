@@ -42,7 +42,6 @@ __all__ = [
     "bits_per_element",
     "compress_ratio",
     "quantize_seconds",
-    "quantized_average_seconds",
 ]
 
 SCALE_BITS = 32
@@ -91,22 +90,3 @@ def quantize_seconds(elements: float, nodes: int, profile: Profile) -> float:
     gbps = profile.quant_gbps or DEFAULT_QUANT_GBPS
     passes = 1 + (nodes - 1) / nodes + 1 / nodes + 1
     return passes * n * 4 / (gbps * 1e9)
-
-
-def quantized_average_seconds(shard_bytes: float, profile: Profile, compress: str, param_bytes: int = 4) -> float:
-    """One quantized rail average (int8/int4) of a rank's ``shard_bytes`` shard on ``profile``'s rail.
-
-    All-to-all of the quantized shard, then all-gather of the requantized pieces (both priced
-    on the rail by :mod:`.predict`), plus :func:`quantize_seconds`. One node: 0.
-    """
-    from .predict import predict_rail_collective
-
-    if not is_quantized(compress):
-        raise ValueError(f"compress={compress!r} is not quantized; valid: {', '.join(QUANTIZED_BITS)}")
-    if profile.nodes == 1:
-        return 0.0
-    elements = check_number("shard_bytes", shard_bytes) / param_bytes
-    wire = elements * bits_per_element(compress, param_bytes) / 8
-    exchange = predict_rail_collective("all_to_all", wire, profile)
-    gather = predict_rail_collective("all_gather", wire, profile)
-    return exchange + gather + quantize_seconds(elements, profile.nodes, profile)

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING
 from . import compression
 from .links import check_count, check_number
 from .memory import FP32_BYTES, residual_bytes
-from .predict import node_profile, predict_all_gather, predict_allreduce, predict_reduce_scatter, rail_profile
+from .predict import (
+    node_profile,
+    predict_all_gather,
+    predict_allreduce,
+    predict_reduce_scatter,
+    quantized_average_seconds,
+    rail_profile,
+)
 from .steptime import StepTime, simulate
 from .streaming import check_streaming, fragments_per_step, inter_bytes_per_rank, sync_stalls
 
@@ -208,7 +215,7 @@ def fsdp_step_time(
         label += f" F={n_frag} tau={tau}"
         shard = p * param_bytes / n_frag / lpn  # the rank's shard of one fragment
         if compress is not None and compression.is_quantized(compress):
-            transfer = compression.quantized_average_seconds(shard, profile, compress, param_bytes)
+            transfer = quantized_average_seconds(shard, profile, compress, param_bytes)
         else:
             transfer = predict_allreduce(shard * ratio, rail_profile(profile))
         # snapshot + payload when overlapped; payload + the average written back when blocking

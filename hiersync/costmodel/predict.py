@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from . import nccl
-from .compression import compress_ratio, is_quantized, quantized_average_seconds
+from .compression import QUANTIZED_BITS, bits_per_element, compress_ratio, is_quantized, quantize_seconds
 from .hierarchy import check_intra_algorithm, flat_allreduce_time, two_level_stages
 from .links import Link, all_gather_time, check_number, reduce_scatter_time
 
@@ -48,6 +48,7 @@ __all__ = [
     "predict_reduce_scatter",
     "predict_all_gather",
     "predict_rail_collective",
+    "quantized_average_seconds",
     "predict_two_level",
     "predict_param_sync",
     "choose_exact_algorithm",
@@ -199,7 +200,7 @@ def predict_two_level(
     average, whose ranks of a node already agree): its first leg is 0. ``algorithm``: the
     rail all-reduce's (:func:`predict_allreduce`). ``compress="int8"`` / ``"int4"``: the rail
     leg is the quantized rail average of the shard
-    (:func:`~.compression.quantized_average_seconds`) and the gather moves the quantized bytes;
+    (:func:`quantized_average_seconds`) and the gather moves the quantized bytes;
     ``nbytes`` is then the full-precision size (other values of ``compress``: pass the bytes
     actually sent).
     """
@@ -269,3 +270,20 @@ def choose_exact_algorithm(
     flat = predict_allreduce(nbytes, shaped)
     two = sum(predict_two_level(nbytes, shaped, intra_algorithm))
     return "two_level" if two < flat else "flat"
+
+
+def quantized_average_seconds(shard_bytes: float, profile: Profile, compress: str, param_bytes: int = 4) -> float:
+    """One quantized rail average (int8/int4) of a rank's ``shard_bytes`` shard on ``profile``'s rail.
+
+    All-to-all of the quantized shard, then all-gather of the requantized pieces (both priced
+    on the rail), plus :func:`~.compression.quantize_seconds`. One node: 0.
+    """
+    if not is_quantized(compress):
+        raise ValueError(f"compress={compress!r} is not quantized; valid: {', '.join(QUANTIZED_BITS)}")
+    if profile.nodes == 1:
+        return 0.0
+    elements = check_number("shard_bytes", shard_bytes) / param_bytes
+    wire = elements * bits_per_element(compress, param_bytes) / 8
+    exchange = predict_rail_collective("all_to_all", wire, profile)
+    gather = predict_rail_collective("all_gather", wire, profile)
+    return exchange + gather + quantize_seconds(elements, profile.nodes, profile)
