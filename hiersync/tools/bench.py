@@ -13,7 +13,7 @@ Every *schedule* trains the same model with the same data on the same cluster in
                               period, each applied t steps after launch (default 1)
 ``torchft_*``                 torchft's LocalSGD, DiLoCo, Streaming DiLoCo (``--peers torchft``)
 ``fsdp_*``                    FSDP2 rows (``--fsdp``): FSDP2 HSDP, hiersync over FSDP2, FSDP2 in the
-                              node only (:mod:`.bench_fsdp_spec`)
+                              node only (:mod:`.bench_spec`)
 ``intra_only``                intra-node all-reduce only, never across nodes (reference)
 ``compute_only``              a hook that communicates nothing (reference: compute floor)
 ============================  ==============================================================
@@ -82,18 +82,19 @@ from pathlib import Path
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
 from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios
-from .bench_fsdp_spec import FSDP_GRAMMAR, fsdp_schedules
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
 from .bench_progress import ProgressFile, environment
 from .bench_rows import summarize
 from .bench_spec import (
     COMPUTE_MODELS,
+    FSDP_GRAMMAR,
     FULL_PERIODS,
     GRAMMAR,
     PEERS,
     TORCHFT_GRAMMAR,
     ScheduleSpec,
     default_schedules,
+    fsdp_schedules,
     full_schedules,
     memory_steps,
     parse_compute,

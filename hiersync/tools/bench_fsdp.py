@@ -1,7 +1,7 @@
 """What a bench rank runs for the FSDP2 rows (``python -m hiersync bench --fsdp``).
 
 :mod:`.bench_worker` calls :func:`run_one` (timed rows) and :func:`memory_one` (the memory
-pass) for the schedules :mod:`.bench_fsdp_spec` names. Each row shards a fresh copy of the
+pass) for the schedules :mod:`.bench_spec` names. Each row shards a fresh copy of the
 bench's seeded MLP with ``fully_shard``: every layer is one FSDP unit, then the root. The
 step loop, the link counter and the probes are the DDP rows' (:func:`.bench_steps.train`),
 so the numbers compare one to one. A row's record adds ``shard_bytes``: the fp32 bytes of
