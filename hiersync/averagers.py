@@ -25,13 +25,13 @@ Both implement :class:`hiersync.sync.Averager`; the maths is written once, in
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .buffers import BufferPool
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
 from .quant import RESIDUAL_DTYPE, BlockCodec, ErrorFeedback, NoFeedback
@@ -61,39 +61,6 @@ class ChunkState:
 
 _STATE = ("anchor", "momentum", "residual", "reduced_residual")
 """What a chunk keeps between syncs (and checkpoints)."""
-
-
-class BufferPool:
-    """Host buffers of the overlapped syncs (snapshots, gathered corrections), reused.
-
-    glibc hands a freed buffer of tens of MB back to the OS and faults it in again at the next
-    allocation: ~10 ms of CPU per step and rank for the bench's 25 MB fragments. The peak is
-    what was in flight at once, as before. CUDA's caching allocator already reuses device
-    memory. Thread-safe: a snapshot comes back on the thread that completes its average.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        """An fp32 vector of ``numel`` values, contents undefined."""
-        if device.type == "cpu":
-            with self._lock:
-                free = self._free.get(numel)
-                if free:
-                    return free.pop()
-        return torch.empty(numel, dtype=torch.float32, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        """Return a buffer from :meth:`take` that nothing reads any more."""
-        if t.device.type == "cpu":
-            with self._lock:
-                self._free.setdefault(t.numel(), []).append(t)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free = {}
 
 
 class RailAverager:
@@ -175,13 +142,16 @@ class RailAverager:
     def _device(self, c: ChunkState) -> torch.device:
         return self.local(c.indices[0]).device
 
-    def _shard_of(self, c: ChunkState, source: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """This rank's shard of the chunk, as a new fp32 vector from the pool (zero padding at the end).
+    def _shard_of(
+        self, c: ChunkState, source: Sequence[torch.Tensor] | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's shard of the chunk as an fp32 vector (zero padding at the end): ``out``, or new.
 
         ``source``: per-parameter tensors to read (default: the parameters themselves).
         """
         lo, hi = c.lo, min(c.lo + c.s, c.n)
-        out = self._pool.take(c.s, self._device(c))
+        if out is None:
+            out = torch.empty(c.s, dtype=torch.float32, device=self._device(c))
         out[max(0, hi - lo) :].zero_()
         for j, i in enumerate(c.indices):
             a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
@@ -244,32 +214,32 @@ class RailAverager:
 
     # ------------------------------------------------------------- averaging
     def launch(self, indices: Sequence[int]) -> Launched:
-        return self._launch(self.chunk(indices), keep_snapshot=False)
+        return self._launch(self.chunk(indices))
 
-    def _launch(self, c: ChunkState, keep_snapshot: bool, payload: torch.Tensor | None = None) -> Launched:
-        """Start this rank's shard of ``c``; ``keep_snapshot``: the shard as sent stays (a pool
-        buffer); ``payload``: where a plain fp32 payload goes (the transfer averages it in place)."""
-        x = self._shard_of(c)
+    def _launch(self, c: ChunkState, keep: torch.Tensor | None = None, work: torch.Tensor | None = None) -> Launched:
+        """Start this rank's shard of ``c``. ``keep``: where the shard is read into and stays (a
+        correction's snapshot; else a new vector the payload may be made in); ``work``: ``c.s``
+        values the payload is made in (a plain fp32 payload is averaged there, in place)."""
+        x = self._shard_of(c, out=keep)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
         if self.codec is not None:
-            future = self._launch_quantized(c, x)
+            future = self._launch_quantized(c, x, work)
         elif self.compress is not None:
             assert c.anchor is not None
             anchor = self._here(c.anchor, x.device)
-            delta = torch.sub(x, anchor) if keep_snapshot else x.sub_(anchor)
-            payload = delta.to(self.compress)
+            delta = x.sub_(anchor) if keep is None else torch.sub(x, anchor, out=work)
+            future = self.transfer(delta.to(self.compress))
             del delta
-            future = self.transfer(payload)
         elif self.raw_dtype is not None:
             future = self.transfer(x.to(self.raw_dtype))
-        elif keep_snapshot:  # the transfer overwrites its payload
-            future = self.transfer(payload.copy_(x) if payload is not None else x.clone())
+        elif keep is not None:  # the transfer overwrites its payload
+            future = self.transfer(work.copy_(x) if work is not None else x.clone())
         else:
             future = self.transfer(x)
-        return Launched(c.indices, future, snapshot=x if keep_snapshot else None)
+        return Launched(c.indices, future, snapshot=keep)
 
-    def _launch_quantized(self, c: ChunkState, x: torch.Tensor) -> torch.futures.Future:
+    def _launch_quantized(self, c: ChunkState, x: torch.Tensor, work: torch.Tensor | None) -> torch.futures.Future:
         """Send ``x - anchor`` (plus what earlier codes left out) as block codes, one piece per node.
 
         The future holds the rail's averaged delta, decoded (fp32, the shard's length).
@@ -278,9 +248,12 @@ class RailAverager:
         assert codec is not None and c.anchor is not None
         N, divisor = self.comm.rail_nodes(), self.comm.rail_divisor()
         padded = codec.padded(c.s, N)
-        e = torch.zeros(padded, dtype=torch.float32, device=x.device)
         feedback = self.feedback
         contributes = self.comm.contributes()  # False: healed in this window's quorum, it sends zeros
+        if work is not None and padded == c.s:  # made in ``work``, overwritten below
+            e = work if contributes else work.zero_()
+        else:
+            e = torch.zeros(padded, dtype=torch.float32, device=x.device)
         if contributes:
             torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
         if feedback and contributes:  # a node that sends zeros leaves its residual as it is
@@ -312,15 +285,21 @@ class RailAverager:
     def complete(self, launched: Launched) -> torch.Tensor:
         return self._complete(self.chunk(launched.indices), launched)
 
-    def _complete(self, c: ChunkState, launched: Launched) -> torch.Tensor:
+    def _complete(self, c: ChunkState, launched: Launched, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The target, in ``out`` (default: in the payload when it is fp32, else in a new vector)."""
         avg = wait(launched.future)
+        if out is None:
+            out = avg if avg.dtype == torch.float32 else torch.empty(avg.shape, device=avg.device)
+        if out.data_ptr() != avg.data_ptr() or out.dtype != avg.dtype:  # (a plain payload: in place)
+            out.copy_(avg)  # 16 bits to fp32 with no temporary (an add of mixed dtypes makes one)
+        avg = out
         if self.raw_dtype is not None:
-            return avg.float()
+            return avg
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
         # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
         if self.compress is not None:
             assert anchor is not None
-            avg = avg.float().add_(anchor)
+            avg.add_(anchor)
         if self.outer_lr is not None:
             assert anchor is not None
             here = self._here(c.momentum, avg.device) if c.momentum is not None else None
@@ -338,7 +317,7 @@ class RailAverager:
 
     def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
         c = self.chunk(indices)
-        launched = self._launch(c, keep_snapshot=True)
+        launched = self._launch(c, keep=self._pool.take(c.s, self._device(c)))
 
         def correction(_: torch.futures.Future) -> torch.Tensor:
             # The snapshot and the transfer's payload are dropped as soon as they are used.
@@ -370,10 +349,13 @@ class RailAverager:
                 continue
             put(self.local(i).data.view(-1)[a - c.offsets[j] : b - c.offsets[j]], values[a - lo : b - lo], add)
 
+    def trim(self) -> None:
+        self._pool.trim()
+
     def release(self) -> None:
         self.registry.clear()
         self._chunks, self._loaded = {}, []
-        self._pool.clear()
+        self._pool.trim()
 
     # ------------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
@@ -482,26 +464,26 @@ class ReplicatedNodeAverager(RailAverager):
         the node all-gathers them into one fp32 buffer of the chunk, so that applying it
         later is a local add, not a blocking gather. The gathers are issued in the order of
         these calls (the launch order, identical on every rank). The buffer, the chunk's
-        size in fp32, lives until the correction is applied.
+        size in fp32 (from the pool), is the sync's only one: until the gather fills it, the
+        snapshot sits in the next rank's slot and this rank's slot holds the payload (fp32:
+        averaged there in place) or the delta it is made of, then the target, then the
+        correction. It lives until the correction is applied.
         """
         if self.split == 1:
             return super().launch_correction(indices)
         c = self.chunk(indices)
-        # The node's correction, from the pool: a plain fp32 payload is this rank's slot of it,
-        # averaged on the rail in place, so its correction needs no copy before the gather.
         gathered = self._pool.take(self.split * c.s, self._device(c))
         mine = gathered[c.lo : c.lo + c.s]
-        plain = self.codec is None and self.compress is None and self.raw_dtype is None
-        launched = self._launch(c, keep_snapshot=True, payload=mine if plain else None)
+        spare = (self.index + 1) % self.split * c.s
+        launched = self._launch(c, keep=gathered[spare : spare + c.s], work=mine)
 
         def shard() -> torch.Tensor:
             # ``c`` is held here: closing the averager meanwhile does not change what is issued.
             snapshot, launched.snapshot = launched.snapshot, None
             assert snapshot is not None
-            out = self._complete(c, launched).sub_(snapshot)
-            self._pool.give(snapshot)
-            launched.future = completed(None)
-            return out
+            self._complete(c, launched, out=mine).sub_(snapshot)
+            launched.future = completed(None)  # the payload
+            return mine
 
         return self.comm.gather_node_after(launched.future, shard, mine, out=gathered)
 

@@ -136,6 +136,10 @@ class WithOptimizerState:
     def load(self, state: dict[str, Any]) -> None:
         self.base.load(state)
 
+    def trim(self) -> None:
+        for a in self.all:
+            a.trim()
+
     def release(self) -> None:
         for a in self.all:
             a.release()

@@ -212,6 +212,10 @@ class Averager(Protocol):
 
     def load(self, state: dict[str, Any]) -> None: ...
 
+    def trim(self) -> None:
+        """Free the host buffers kept for the next sync's reuse (the next step launches none)."""
+        ...
+
     def release(self) -> None:
         """Forget the parameters and their state (the owner is closed)."""
         ...
@@ -287,12 +291,13 @@ class CrossNodeSync:
         self._unhook()
         self.apply_corrections(steps_done)
         due, self.due = self.due, None
-        if due is None:
-            return
-        step, fragments = due
-        apply_at = step + 1 + self.overlap if self.overlap else 0
-        with torch.no_grad(), record_function("hiersync/sync_after_step"):
-            self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
+        if due is not None:
+            step, fragments = due
+            apply_at = step + 1 + self.overlap if self.overlap else 0
+            with torch.no_grad(), record_function("hiersync/sync_after_step"):
+                self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
+        if not self.schedule.is_sync(steps_done):  # the next step launches nothing: hold no idle buffers
+            self.averager.trim()
 
     def launch_due(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""

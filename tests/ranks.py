@@ -447,8 +447,8 @@ def localsgd_check(cfg: dict) -> dict:
         logged = getattr(state.engine.averager, "base", state.engine.averager)  # the parameters' averager
         real_launch = logged._launch
 
-        def logged_launch(chunk, keep_snapshot, **kw):
-            launched = real_launch(chunk, keep_snapshot, **kw)
+        def logged_launch(chunk, *args, **kw):
+            launched = real_launch(chunk, *args, **kw)
             launches.append((state.step - 1, list(launched.indices)))
             return launched
 
