@@ -393,6 +393,19 @@ def test_claim_verdicts_carry_the_runs_noise():
     assert ": 1.20x [" in bench_claims.format_claims([slow]) and "] FAIL (noise +-" in bench_claims.format_claims(
         [slow]
     )
+    # a host loaded before the run (load average above the cores): its load changes between rows, no step
+    # time is judged, whatever the interval; a quiet host's (or an unknown one's) verdicts stand
+    busy = {"loadavg_1min_before": 7.2, "cpus": 2}
+    for env, want in ((busy, "inconclusive"), ({"loadavg_1min_before": 1.5, "cpus": 2}, "fail"), (None, "fail")):
+        checked = bench_claims.check_claims(_floor_rows(0.600, 0.500, 0.002), environment=env)
+        (c,) = [c for c in checked if "1.05x a step without" in c["claim"]]
+        assert c["verdict"] == want and c["low"] > 1.05, env
+    assert c["loaded"] is None and "host loaded" in bench_claims.format_claims(
+        bench_claims.check_claims(_floor_rows(0.600, 0.500, 0.002), environment=busy)
+    )
+    assert "load average 7.2 on 2 cores before the run; noise +-" in bench_claims.format_verdict(
+        bench_claims.check_claims(_floor_rows(0.600, 0.500, 0.002), environment=busy)[0]
+    )
     # the interval is the log-scale t interval of the two rows' batch means (6 windows; 6 batches of 4 steps)
     from hiersync.tools import bench_noise
 
@@ -718,6 +731,12 @@ def test_cost_model_beside_the_bench(tmp_path):
     assert p8["verdict"] == "inconclusive" and p8["below_reference"] and p8["met"] is None
     assert "faster than intra_only: the load changed between the two rows" in bench_model.format_model_targets([p8])
     assert not judged["hiersync_p4_stream"]["below_reference"]
+    busy = {"loadavg_1min_before": 3.0, "cpus": 2}
+    loaded = {t["schedule"]: t for t in bench_model.model_targets(list(got.values()), environment=busy)}
+    assert {t["verdict"] for t in loaded.values()} == {"inconclusive"}
+    assert "(host loaded: load average 3.0 on 2 cores before the run; noise +-" in bench_model.format_model_targets(
+        [loaded["hiersync_p4"]]
+    )
     line = bench_model.format_model_targets(list(judged.values()))
     low, high = (x * 1e3 for x in (p4["measured_low_s"], p4["measured_high_s"]))
     assert (

@@ -435,14 +435,14 @@ def run(args: argparse.Namespace) -> int:
             f"; launch copies at {probe['gbps']:.2f} GB/s, measured in this run (a copy of "
             f"{probe['bytes'] / 2**20:.1f} MiB, every rank at once)"
         )
-    model_checks = model_targets(entries)
+    model_checks = model_targets(entries, environment=raw["environment"])
     raw["model"] = {"source": source, "entries": entries, "targets": model_checks}
     if any(parse_schedule(s).kind == "torchft" for s in config["schedules"]):
         from .bench_torchft import describe
 
         specs = [parse_schedule(s) for s in config["schedules"]]
         raw["torchft_options"] = describe(specs, args.nodes, args.procs_per_node)
-    claims = check_claims(rows)
+    claims = check_claims(rows, environment=raw["environment"])
     raw["claims"] = claims
     ratios = peer_ratios(rows)
     raw["peer_ratios"] = ratios
@@ -471,12 +471,11 @@ def run(args: argparse.Namespace) -> int:
             "95% interval from this run's per-step times;\nPASS or FAIL only where the interval is clear of the "
             "bound, inconclusive where it holds it (more --min-seconds narrows it)"
         )
-        busy = max(env["loadavg_1min_before"], env["loadavg_1min_after"])
-        if env["cpus"] and busy > env["cpus"]:
+        if env["cpus"] and env["loadavg_1min_before"] > env["cpus"]:
             print(
-                f"(load average up to {busy:.1f} on {env['cpus']} cores: other work took the cores the ranks need, "
-                "so a step waits for one at random; the intervals hold that within a row, not a load that changed "
-                "between rows; rerun on a quiet machine before reading a FAIL as hiersync's)"
+                f"(load average {env['loadavg_1min_before']:.1f} on {env['cpus']} cores before the run: other work "
+                "took the cores the ranks need, and its load changes between rows by more than any interval holds, "
+                "so no step time is judged; rerun on a quiet machine)"
             )
         print(format_claims(claims))
         if raw["testbed"]["mode"] != "netns":

@@ -189,7 +189,9 @@ def _interval(claim: Claim, row: dict, ref: dict | None, ratio: float) -> tuple[
     return got, "mean" if claim.statistic == "mean" else "bootstrap"
 
 
-def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list[dict]:
+def check_claims(
+    rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS, *, environment: dict | None = None
+) -> list[dict]:
     """Every claim, per model and bucket size, where both of its rows ran.
 
     ``verdict``: ``"pass"`` or ``"fail"`` where the ratio's interval (``low``..``high``, from both
@@ -197,8 +199,11 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
     holds the bound or the noise is not known (a row of under 2 windows), None where a row ran but
     has no number (the installed hiersync cannot build it, or nothing counted its bytes). ``met``:
     True on a pass, False on a fail, else None. Bytes and memory are counted, not sampled: their
-    ratio is judged as it is.
+    ratio is judged as it is. ``environment`` (``bench.json``'s): on a host loaded before the run
+    (:func:`.bench_noise.loaded`) a step-time claim is ``"inconclusive"`` whatever its interval, and
+    ``loaded`` says why.
     """
+    busy = bench_noise.loaded(environment)
     by = {row_key(r): r for r in rows}
     out = []
     groups = list(dict.fromkeys(row_key(r)[:3] for r in rows))
@@ -223,7 +228,7 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
             if ratio is None:
                 verdict = None
             elif interval is not None:
-                verdict = bench_noise.verdict(interval, claim.bound)
+                verdict = "inconclusive" if busy else bench_noise.verdict(interval, claim.bound)
             elif source == "counted":
                 verdict = "pass" if ratio <= claim.bound else "fail"
             else:
@@ -245,6 +250,7 @@ def check_claims(rows: Sequence[dict], claims: Sequence[Claim] = CLAIMS) -> list
                     **(interval.as_dict() if interval else {"low": None, "high": None, "noise": None}),
                     "confidence": bench_noise.CONFIDENCE if interval else None,
                     "interval_from": source or None,
+                    "loaded": busy if ratio is not None and source != "counted" else None,
                     "verdict": verdict,
                     "met": {"pass": True, "fail": False}.get(verdict or ""),
                     "why_not": row["unsupported"] or None,
@@ -263,6 +269,8 @@ def format_verdict(t: dict) -> str:
         why = f"noise +-{t['noise']:.0%}"
     else:
         why = t.get("interval_from") or "noise unknown"
+    if t.get("loaded"):
+        why = f"{t['loaded']}; {why}"
     return f"{ratio} {word} ({why})"
 
 

@@ -217,14 +217,20 @@ def tolerated(predicted: float, tolerance: float = EXPOSED_TOLERANCE, floor: flo
 
 
 def model_targets(
-    entries: Sequence[dict], tolerance: float = EXPOSED_TOLERANCE, floor: float = EXPOSED_FLOOR_S
+    entries: Sequence[dict],
+    tolerance: float = EXPOSED_TOLERANCE,
+    floor: float = EXPOSED_FLOOR_S,
+    *,
+    environment: dict | None = None,
 ) -> list[dict]:
     """The cost model's claim: each after-step hiersync mode's exposed sync within ``tolerance`` or ``floor``
     (whichever larger), on accel compute. ``verdict``: ``"pass"`` where the measured time's interval lies
     within :func:`tolerated`, ``"fail"`` where wholly outside, else ``"inconclusive"`` (also where a row has
     under 2 windows: the noise is not known; and where it would fail wholly below zero, ``below_reference``:
     the row, which does its reference's work and more, ran faster than it, so the host's load changed between
-    them). ``met``: True on a pass, False on a fail, else None."""
+    them; and on a host loaded before the run, :func:`.bench_noise.loaded`, said in ``loaded``). ``met``:
+    True on a pass, False on a fail, else None."""
+    busy = bench_noise.loaded(environment)
     out = []
     for e in entries:
         if not e["after_step"] or e["compute"] != "accel":
@@ -239,7 +245,7 @@ def model_targets(
             # The row does its reference's work and its sync: wholly faster than the reference, it ran
             # on a host whose load changed between the two rows, which no model predicts.
             drift = verdict == "fail" and interval.high < 0
-            verdict = "inconclusive" if drift else verdict
+            verdict = "inconclusive" if drift or busy else verdict
         out.append(
             {
                 **e,
@@ -249,6 +255,7 @@ def model_targets(
                 "verdict": verdict,
                 "met": {"pass": True, "fail": False}.get(verdict),
                 "below_reference": drift,
+                "loaded": busy,
             }
         )
     return out
@@ -271,6 +278,8 @@ def format_model_targets(targets: Sequence[dict]) -> str:
             why = f"noise +-{(high - low) / 2:.0f} ms"
             if t.get("below_reference"):
                 why = f"faster than {t['reference']}: the load changed between the two rows; {why}"
+            if t.get("loaded"):
+                why = f"{t['loaded']}; {why}"
             bench = f"{meas:.0f} ms [{low:.0f}, {high:.0f}] {word} ({why})"
         band = ", ".join(f"{x * 1e3:.0f}" for x in t["tolerated_s"])
         lines.append(f"{what}: bench {bench}; model {t['predicted_s'] * 1e3:.0f} ms, tolerates [{band}] ms")

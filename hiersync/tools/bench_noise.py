@@ -19,7 +19,8 @@ difference) of two means carries both rows' scatter. The rows' per-step duration
 :func:`verdict` then says PASS or FAIL only when the interval is clear of the bound, and
 ``inconclusive`` where the bound lies inside it. The intervals describe the scatter of the steps
 within each row; a load that changes between two rows (they are timed one after the other) moves
-their ratio by more, which no single run can see.
+their ratio by more, which no single run can see: on a host that was loaded before the run
+(:func:`loaded`) no step-time verdict is given.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "difference_interval",
     "quantile_ratio_interval",
     "verdict",
+    "loaded",
 ]
 
 CONFIDENCE = 0.95
@@ -217,6 +219,19 @@ def quantile_ratio_interval(
     low, high = (float(x) for x in np.percentile(ratios, [tail, 100 - tail]))
     centre = float(np.percentile(a, q) / np.percentile(b, q)) if estimate is None else estimate
     return Interval(centre, min(low, centre), max(high, centre))
+
+
+def loaded(environment: dict | None) -> str | None:
+    """Why no step-time verdict can be trusted on this run's host, or None: the 1-minute load average
+    before the run above the cores (``environment``: ``bench.json``'s). Rows are timed one after the
+    other, and on a host whose other work takes the cores the ranks need, that load changes between
+    two rows by more than the steps within a row scatter, which no interval from the steps holds."""
+    if not environment:
+        return None
+    load, cpus = environment.get("loadavg_1min_before"), environment.get("cpus")
+    if load is None or not cpus or load <= cpus:
+        return None
+    return f"host loaded: load average {load:.1f} on {cpus} cores before the run"
 
 
 def verdict(interval: Interval, high: float, low: float = -math.inf) -> str:

@@ -49,7 +49,7 @@ def write_outputs(results_dir: str | os.PathLike, raw: dict, rows: Sequence[dict
     ratios = format_peer_ratios(peer_ratios(rows))
     if ratios:
         md += ["```", ratios, "```", ""]
-    claims = check_claims(rows)
+    claims = check_claims(rows, environment=raw.get("environment"))
     if claims:
         md += ["", "```", format_claims(claims), "```", ""]
     model = raw.get("model") or {}
