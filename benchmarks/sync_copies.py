@@ -23,7 +23,9 @@ import torch
 from hiersync.averagers import ReplicatedNodeAverager
 from hiersync.futures import completed
 from hiersync.localsgd import HookAverager, Registry
+from hiersync.quant import codec_for
 from hiersync.topology import Topology
+from hiersync.transport import GroupRail
 
 
 def _fake_comm(L: int):
@@ -31,6 +33,7 @@ def _fake_comm(L: int):
     return types.SimpleNamespace(
         topology=Topology.from_node_ids([n for n in range(2) for _ in range(L)]),
         groups=groups,
+        rail=GroupRail(None, 2),
         average_across_nodes=lambda t: completed(t),
         average_shard=lambda t: completed(t),
     )
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(8)]
     comm = _fake_comm(args.ranks_per_node)
-    opts = dict(compress=torch.bfloat16, outer_lr=0.7, outer_momentum=0.9)
+    opts = dict(codec=codec_for("bf16"), outer_lr=0.7, outer_momentum=0.9)
     registry = Registry()
     idx = registry.register(params)
     whole = HookAverager(comm, registry, **opts)
@@ -67,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         whole.complete(whole.launch(params)).sub_(snapshot)
 
     def cycle_sharded() -> None:  # the same through the rail average's own snapshot
-        launched = sharded._launch(sharded.chunk(idx), keep_snapshot=True)
-        assert launched.snapshot is not None
-        sharded.complete(launched).sub_(launched.snapshot)
+        c = sharded.chunk(idx)
+        snapshot = torch.empty(c.s)
+        sharded.complete(sharded._launch(c, keep=snapshot)).sub_(snapshot)
 
     t_whole, t_shard = _time(cycle_whole, args.repeats), _time(cycle_sharded, args.repeats)
     n = sum(p.numel() for p in params)

@@ -34,7 +34,7 @@ import torch
 from .buffers import BufferPool
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
-from .quant import RESIDUAL_DTYPE, BlockCodec, ErrorFeedback, NoFeedback
+from .quant import RESIDUAL_DTYPE, BlockCodec, CastCodec, ErrorFeedback
 from .sync import Launched
 from .vocab import GATHER_PIECE_BYTES
 
@@ -82,7 +82,7 @@ class RailAverager:
         comm: Any,
         registry: Registry,
         *,
-        compress: torch.dtype | None = None,
+        codec: CastCodec | BlockCodec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.0,
         state_device: str | None = None,
@@ -93,16 +93,16 @@ class RailAverager:
         self.registry = registry
         self.raw_dtype = raw_dtype
         """Send the values themselves in this dtype (no anchor; the optimizer state's average)."""
-        self.compress = compress
+        self.codec = codec
+        """What the inter-node leg sends (:func:`hiersync.quant.codec_for`); ``None``: the fp32 values."""
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         # "cpu": anchor and momentum live in host memory (pinned where CUDA is available), as
         # torchft's backup device; the maths runs on the parameters' device on transient copies.
         self.state_device = torch.device(state_device) if state_device is not None else None
         self.transfer = transfer if transfer is not None else comm.average_shard
-        self.codec = compress if isinstance(compress, BlockCodec) else None
-        """int8/int4: block-quantized deltas with error feedback (:mod:`hiersync.quant`)."""
-        self.feedback = self.codec is not None and not isinstance(compress, NoFeedback)
+        self.blocks = codec if isinstance(codec, BlockCodec) else None
+        """int8/int4: block-quantized deltas, averaged by the quantized rail average (:mod:`hiersync.quant`)."""
         self._chunks: dict[tuple[int, ...], ChunkState] = {}
         self._loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
         self._pool = BufferPool()
@@ -113,7 +113,7 @@ class RailAverager:
 
     @property
     def needs_anchor(self) -> bool:
-        return self.compress is not None or self.outer_lr is not None
+        return self.codec is not None or self.outer_lr is not None
 
     def local(self, i: int) -> torch.Tensor:
         """The tensor position ``i`` holds on this rank (the parameter itself here)."""
@@ -223,13 +223,13 @@ class RailAverager:
         x = self._shard_of(c, out=keep)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
-        if self.codec is not None:
+        if self.blocks is not None:
             future = self._launch_quantized(c, x, work)
-        elif self.compress is not None:
+        elif self.codec is not None:
             assert c.anchor is not None
             anchor = self._here(c.anchor, x.device)
             delta = x.sub_(anchor) if keep is None else torch.sub(x, anchor, out=work)
-            future = self.transfer(delta.to(self.compress))
+            future = self.transfer(self.codec.encode(delta))
             del delta
         elif self.raw_dtype is not None:
             future = self.transfer(x.to(self.raw_dtype))
@@ -244,11 +244,11 @@ class RailAverager:
 
         The future holds the rail's averaged delta, decoded (fp32, the shard's length).
         """
-        codec = self.codec
+        codec = self.blocks
         assert codec is not None and c.anchor is not None
         N, divisor = self.comm.rail_nodes(), self.comm.rail_divisor()
         padded = codec.padded(c.s, N)
-        feedback = self.feedback
+        feedback = codec.feedback
         contributes = self.comm.contributes()  # False: healed in this window's quorum, it sends zeros
         if work is not None and padded == c.s:  # made in ``work``, overwritten below
             e = work if contributes else work.zero_()
@@ -297,7 +297,7 @@ class RailAverager:
             return avg
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
         # In place on one shard-sized buffer: no temporaries beyond it (and the offload copies).
-        if self.compress is not None:
+        if self.codec is not None:  # a delta came back
             assert anchor is not None
             avg.add_(anchor)
         if self.outer_lr is not None:
@@ -423,9 +423,9 @@ class ReplicatedNodeAverager(RailAverager):
         even = topo.even and comm.rail.across_nodes
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
         super().__init__(comm, registry, transfer=transfer, **options)
-        if self.codec is not None and not topo.even:
+        if self.blocks is not None and not topo.even:
             raise ValueError(
-                f"compress={self.codec.name!r} needs nodes with equal numbers of ranks (its rail average is an "
+                f"compress={self.blocks.name!r} needs nodes with equal numbers of ranks (its rail average is an "
                 f"all-to-all on every rail); this job's nodes hold {[len(n) for n in topo.nodes]} ranks: use "
                 "compress='bf16' here"
             )

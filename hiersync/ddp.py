@@ -85,7 +85,7 @@ class HierState(SyncState):
         super().__init__(period, warmup_steps, **kwargs)
         cfg, comm = self.config, self.comm
         opts = options_of(cfg)
-        in_hook = opts if cfg.compress not in COMPRESS_CODES else dict(opts, compress=None)  # (refused there)
+        in_hook = opts if cfg.compress not in COMPRESS_CODES else dict(opts, codec=None)  # (refused there)
         self.averager = self.hook_averager = HookAverager(comm, self.registry, **in_hook)
         """The sync step's average inside the hook (no optimizer attached)."""
         # After optimizer.step() (an attached optimizer): each rank keeps the state of its 1/L shard.

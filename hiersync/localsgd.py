@@ -7,10 +7,11 @@ reconcile replicas that have already drifted; averaging *parameters* can (Lin et
 
 Options, all off by default (plain averaging):
 
-* ``compress=torch.bfloat16|torch.float16``: the inter-node leg carries the *delta*
-  ``x - anchor`` in 16 bits, where the fp32 *anchor* is the result of the previous sync
-  (identical on every rank). Raw parameters are never rounded to 16 bits: the error is
-  bounded by the rounding of the (small) delta, not of the parameter.
+* ``codec`` (a :class:`~hiersync.quant.CastCodec`, ``compress="bf16"|"fp16"``): the
+  inter-node leg carries the *delta* ``x - anchor`` in 16 bits, where the fp32 *anchor*
+  is the result of the previous sync (identical on every rank). Raw parameters are never
+  rounded to 16 bits: the error is bounded by the rounding of the (small) delta, not of
+  the parameter.
 * ``outer_lr``/``outer_momentum``: DiLoCo's outer Nesterov step (Douillard et al. 2023) on
   the averaged pseudo-gradient ``g = anchor - average``: ``m = mu*m + g``,
   ``x = anchor - lr*(g + mu*m)`` (:func:`outer_step`, the one implementation).
@@ -35,8 +36,7 @@ import torch
 
 from .collectives import HierComm
 from .futures import wait
-from .quant import NoFeedback, codec_for
-from .vocab import COMPRESS_CODES
+from .quant import CastCodec, codec_for
 
 __all__ = [
     "Registry",
@@ -49,18 +49,12 @@ __all__ = [
     "missing_anchor",
 ]
 
-_PAYLOAD_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def options_of(cfg: Any) -> dict[str, Any]:
-    """The averager options of a :class:`~hiersync.config.HierConfig`: the payload (a 16-bit
-    dtype, or a :class:`~hiersync.quant.BlockCodec`) and the outer step."""
-    if cfg.compress in COMPRESS_CODES:
-        codec = codec_for(cfg.compress)
-        compress: Any = codec if cfg.error_feedback else NoFeedback(codec)
-    else:
-        compress = _PAYLOAD_DTYPES[cfg.compress]
-    return {"compress": compress, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
+    """The averager options of a :class:`~hiersync.config.HierConfig`: the payload's codec
+    (:func:`hiersync.quant.codec_for`) and the outer step."""
+    codec = codec_for(cfg.compress, cfg.error_feedback)
+    return {"codec": codec, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
 
 
 def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
@@ -156,7 +150,7 @@ class HookAverager:
 
     Example::
 
-        >>> avg = HookAverager(comm, Registry(), compress=torch.bfloat16)
+        >>> avg = HookAverager(comm, Registry(), codec=codec_for("bf16"))
         >>> avg.capture_anchor(params)
         >>> launched = avg.launch(params)
         >>> avg.write(launched.indices, avg.complete(launched))   # every rank: the same parameters
@@ -166,13 +160,13 @@ class HookAverager:
         self,
         comm: HierComm,
         registry: Registry,
-        compress: torch.dtype | None = None,
+        codec: CastCodec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.0,
     ) -> None:
         self.comm = comm
         self.registry = registry
-        self.compress = compress
+        self.codec = codec
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.anchor: dict[int, torch.Tensor] = {}
@@ -186,7 +180,7 @@ class HookAverager:
 
     @property
     def needs_anchor(self) -> bool:
-        return self.compress is not None or self.outer_lr is not None
+        return self.codec is not None or self.outer_lr is not None
 
     def register(self, params: Sequence[torch.Tensor]) -> list[int]:
         return self.registry.register(params)
@@ -213,7 +207,7 @@ class HookAverager:
             if missing:
                 raise missing_anchor(missing)
             anchor = torch.cat([self.anchor[i].reshape(-1) for i in indices])
-        payload = x if self.compress is None or anchor is None else (x - anchor).to(self.compress)
+        payload = x if self.codec is None or anchor is None else self.codec.encode(x - anchor)
         return HookLaunch(indices, self.comm.average_across_nodes(payload), anchor)
 
     def complete(self, launched: HookLaunch) -> torch.Tensor:
@@ -224,7 +218,7 @@ class HookAverager:
         """
         avg = wait(launched.future)
         indices, anchor = launched.indices, launched.anchor
-        if self.compress is not None:
+        if self.codec is not None:
             assert anchor is not None
             avg = avg.float().add_(anchor)
         if self.outer_lr is not None:

@@ -1,4 +1,10 @@
-"""Block-scaled 8- and 4-bit codes for the deltas sent across nodes (``compress="int8"|"int4"``).
+"""The codecs of the deltas sent across nodes: one per row of :data:`hiersync.vocab.WIRE_FORMATS`.
+
+:func:`codec_for` turns a ``compress=`` name into a :class:`Codec`: ``None`` for fp32 (the
+parameters themselves are averaged), a :class:`CastCodec` for bf16/fp16 (the delta against
+the fp32 anchor, cast, summed by the rail's all-reduce), a :class:`BlockCodec` for int8/int4.
+
+Block-scaled 8- and 4-bit codes (``compress="int8"|"int4"``):
 
 A vector is cut into blocks of :data:`QUANT_BLOCK` values; each block is sent as one fp32
 scale (its largest magnitude over ``qmax``) and one signed code per value, rounded to the
@@ -20,22 +26,63 @@ plain torch, and must match this one to the bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .vocab import QUANT_BLOCK, RESIDUAL_BYTES
+from .vocab import QUANT_BLOCK, RESIDUAL_BYTES, WIRE_FORMATS, WireFormat, wire_format
 
-__all__ = ["BlockCodec", "NoFeedback", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
+__all__ = ["Codec", "CastCodec", "BlockCodec", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
+
+
+class Codec(Protocol):
+    """A payload of the inter-node average: what the averagers ask of it.
+
+    ``wire.block_scaled`` says how the rail averages it: an all-reduce of :meth:`encode`'s
+    output (a float payload), or the quantized all-to-all, requantize and all-gather of a
+    :class:`BlockCodec`'s pieces.
+    """
+
+    @property
+    def wire(self) -> WireFormat:
+        """Its row of :data:`~hiersync.vocab.WIRE_FORMATS`."""
+        ...
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The payload of the fp32 delta ``x``."""
+        ...
+
+
+@dataclass(frozen=True)
+class CastCodec:
+    """A delta sent as a narrower float (bf16, fp16), summed by the rail's all-reduce."""
+
+    wire: WireFormat
+
+    @property
+    def dtype(self) -> torch.dtype:
+        assert self.wire.dtype is not None
+        return getattr(torch, self.wire.dtype)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
 
 _QMAX = {8: 127, 4: 7}
 
 
 @dataclass(frozen=True)
 class BlockCodec:
-    """Signed ``bits``-bit codes with one fp32 scale per ``block`` values, round to nearest."""
+    """Signed ``bits``-bit codes with one fp32 scale per ``block`` values, round to nearest.
+
+    ``feedback``: keep what the codes leave out and send it with the next delta
+    (:class:`ErrorFeedback`); ``False`` (``error_feedback=False``) loses it, only to measure
+    what the feedback buys.
+    """
 
     bits: int
     block: int = QUANT_BLOCK
+    feedback: bool = True
 
     def __post_init__(self) -> None:
         if self.bits not in _QMAX:
@@ -46,6 +93,10 @@ class BlockCodec:
     @property
     def name(self) -> str:
         return f"int{self.bits}"
+
+    @property
+    def wire(self) -> WireFormat:
+        return WIRE_FORMATS[self.name]
 
     @property
     def qmax(self) -> int:
@@ -70,51 +121,50 @@ class BlockCodec:
         # Divided, not multiplied by 1 / scale: a block of values near the smallest normal
         # float has a subnormal scale whose reciprocal overflows (and 0 * inf is NaN).
         s = scale.unsqueeze(1)
-        q = torch.where(s > 0, blocks / s, 0.0).round_().clamp_(-self.qmax, self.qmax)
+        # In place on one fp32 temporary (the where of a division would take two)
+        q = torch.div(blocks, s).masked_fill_(~(s > 0), 0.0).round_().clamp_(-self.qmax, self.qmax)
         if self.bits == 8:
             codes = q.to(torch.int8).view(torch.uint8).reshape(-1)
         else:
-            u = (q + 8).to(torch.uint8).reshape(-1, 2)  # 1..15 in a nibble
+            u = q.add_(8).to(torch.uint8).reshape(-1, 2)  # 1..15 in a nibble
             codes = u[:, 0] | (u[:, 1] << 4)
         return torch.cat([codes, scale.to(torch.float32).view(torch.uint8)])
 
-    def decode(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """The fp32 values of :meth:`encode`'s output for ``n`` values."""
+    def decode(self, packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of :meth:`encode`'s output for ``n`` values (written into ``out`` if given)."""
         ncodes = n * self.bits // 8
         codes, scale = packed[:ncodes], packed[ncodes:].view(torch.float32)
-        if self.bits == 8:
-            q = codes.view(torch.int8).to(torch.float32)
-        else:
-            q = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1).to(torch.float32) - 8
-        return (q.reshape(-1, self.block) * scale.unsqueeze(1)).reshape(-1)
+        q = codes.view(torch.int8) if self.bits == 8 else torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
+        out = q.to(torch.float32) if out is None else out.copy_(q)
+        if self.bits == 4:
+            out.sub_(8)
+        out.view(-1, self.block).mul_(scale.unsqueeze(1))
+        return out
 
     def encode_pieces(self, x: torch.Tensor, pieces: int) -> torch.Tensor:
         """``x`` cut into ``pieces`` equal pieces, each encoded on its own (codes, then scales),
         end to end: piece ``j`` is bytes ``[j * b, (j + 1) * b)`` with ``b = packed_bytes(n / pieces)``."""
         return torch.cat([self.encode(p) for p in x.reshape(pieces, -1)])
 
-    def decode_pieces(self, packed: torch.Tensor, n: int, pieces: int) -> torch.Tensor:
-        """The ``n`` fp32 values of :meth:`encode_pieces`'s output."""
+    def decode_pieces(self, packed: torch.Tensor, n: int, pieces: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``n`` fp32 values of :meth:`encode_pieces`'s output, piece by piece into ``out`` (or a new vector)."""
         m = n // pieces
         b = self.packed_bytes(m)
-        return torch.cat([self.decode(packed[j * b : (j + 1) * b], m) for j in range(pieces)])
+        out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
+        for j in range(pieces):
+            self.decode(packed[j * b : (j + 1) * b], m, out=out[j * m : (j + 1) * m])
+        return out
 
 
-@dataclass(frozen=True)
-class NoFeedback(BlockCodec):
-    """The same codes, sent without error feedback (``error_feedback=False``): what they
-    leave out is lost. Only to measure what the feedback buys."""
-
-    def __init__(self, codec: BlockCodec) -> None:
-        object.__setattr__(self, "bits", codec.bits)
-        object.__setattr__(self, "block", codec.block)
-
-
-def codec_for(compress: str) -> BlockCodec:
-    """The codec of ``compress="int8"`` or ``"int4"``."""
-    if compress not in ("int8", "int4"):
-        raise ValueError(f"compress={compress!r} is not a block-quantized payload; use 'int8' or 'int4'")
-    return BlockCodec(bits=int(compress[3:]))
+def codec_for(compress: str | None, error_feedback: bool = True) -> CastCodec | BlockCodec | None:
+    """The codec of a ``compress=`` name (``None``/``"none"``: fp32, no codec), from its row of
+    :data:`~hiersync.vocab.WIRE_FORMATS`."""
+    f = wire_format(compress)
+    if f.bits is None:
+        return None
+    if f.block_scaled:
+        return BlockCodec(bits=f.bits, feedback=error_feedback)
+    return CastCodec(f)
 
 
 RESIDUAL_DTYPE = torch.bfloat16
@@ -145,8 +195,12 @@ class ErrorFeedback:
         """
         if residual is not None:
             x[: residual.numel()].add_(residual)
-        packed = self.codec.encode_pieces(x, self.pieces)
-        return packed, x.sub_(self.codec.decode_pieces(packed, x.numel(), self.pieces))
+        codec, m = self.codec, x.numel() // self.pieces
+        packed = codec.encode_pieces(x, self.pieces)
+        b = codec.packed_bytes(m)
+        for j, piece in enumerate(x.view(self.pieces, m)):  # what the codes miss, a piece at a time
+            piece.sub_(codec.decode(packed[j * b : (j + 1) * b], m))
+        return packed, x
 
     @staticmethod
     def keep(left: torch.Tensor, residual: torch.Tensor | None, store=lambda t: t) -> torch.Tensor:

@@ -204,6 +204,8 @@ class WireFormat:
     """Codes with one fp32 scale per :data:`QUANT_BLOCK` values, averaged by an all-to-all of
     pieces, an fp32 sum, a requantize and an all-gather, with error feedback; otherwise the
     payload is summed by an all-reduce."""
+    dtype: str | None = None
+    """A float payload's ``torch`` dtype, by name (``"bfloat16"``)."""
 
     @property
     def delta(self) -> bool:
@@ -215,8 +217,8 @@ WIRE_FORMATS: dict[str, WireFormat] = {
     f.name: f
     for f in (
         WireFormat("none", None),
-        WireFormat("bf16", 16),
-        WireFormat("fp16", 16),
+        WireFormat("bf16", 16, dtype="bfloat16"),
+        WireFormat("fp16", 16, dtype="float16"),
         WireFormat("int8", 8, block_scaled=True),
         WireFormat("int4", 4, block_scaled=True),
     )

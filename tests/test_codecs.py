@@ -29,3 +29,28 @@ def test_an_unknown_payload_is_refused_everywhere_with_the_valid_names():
 def test_none_is_fp32_and_the_narrow_payloads_are_deltas():
     assert wire_format(None) is WIRE_FORMATS["none"] and not wire_format(None).delta
     assert all(f.delta for n, f in WIRE_FORMATS.items() if n != "none")
+
+
+@pytest.mark.parametrize("name", list(WIRE_FORMATS))
+def test_every_payload_has_its_codec(name):
+    """The averagers' codec of each row: none for fp32, a cast for a float payload, block codes
+    (with or without error feedback) for a block-scaled one; its bytes are what the model prices."""
+    import torch
+
+    from hiersync.quant import BlockCodec, CastCodec, codec_for
+
+    f = WIRE_FORMATS[name]
+    codec = codec_for(name)
+    if f.bits is None:
+        assert codec is None
+        return
+    assert codec is not None and codec.wire is f
+    if f.block_scaled:
+        assert isinstance(codec, BlockCodec) and codec.feedback
+        assert not codec_for(name, error_feedback=False).feedback  # type: ignore[union-attr]
+        n = QUANT_BLOCK * 4
+        assert codec.packed_bytes(n) * 8 / n == compression.bits_per_element(name)
+    else:
+        assert isinstance(codec, CastCodec)
+        payload = codec.encode(torch.linspace(-1, 1, 64))
+        assert payload.element_size() * 8 == f.bits == compression.bits_per_element(name)

@@ -19,6 +19,7 @@ from hiersync.averagers import ReplicatedNodeAverager, ShardedNodeAverager
 from hiersync.collectives import HierComm
 from hiersync.futures import completed
 from hiersync.localsgd import Registry
+from hiersync.quant import codec_for
 from hiersync.schedule import Schedule, fragment_layout
 from hiersync.sync import AveragerComm, CrossNodeSync
 from hiersync.topology import Topology
@@ -71,7 +72,8 @@ def test_hiercomm_and_the_fake_keep_the_averagers_comm_protocol():
 def _engine(kind: str, cfg: dict, params: list[torch.Tensor]) -> CrossNodeSync:
     comm, registry = _Comm(kind == "sharded"), Registry()
     registry.register(params)
-    opts = dict(compress=cfg.get("compress"), outer_lr=cfg.get("outer_lr"), outer_momentum=cfg.get("mu", 0.0))
+    codec = codec_for("bf16") if cfg.get("compress") is torch.bfloat16 else None
+    opts = dict(codec=codec, outer_lr=cfg.get("outer_lr"), outer_momentum=cfg.get("mu", 0.0))
     if kind == "sharded":
         averager = ShardedNodeAverager(comm, registry, **opts)
     else:
