@@ -35,7 +35,7 @@ from .buffers import BufferPool
 from .futures import completed, then, wait
 from .localsgd import HookAverager, Registry, missing_anchor, outer_step, put
 from .quant import RESIDUAL_DTYPE, BlockCodec, CastCodec, ErrorFeedback
-from .sync import Launched
+from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
 
 __all__ = ["RailAverager", "ReplicatedNodeAverager", "ShardedNodeAverager", "ChunkState"]
@@ -79,7 +79,7 @@ class RailAverager:
 
     def __init__(
         self,
-        comm: Any,
+        comm: AveragerComm,
         registry: Registry,
         *,
         codec: CastCodec | BlockCodec | None = None,
@@ -418,7 +418,9 @@ class ReplicatedNodeAverager(RailAverager):
     from when the checkpoint was saved with no optimizer attached.
     """
 
-    def __init__(self, comm: Any, registry: Registry, *, hook: HookAverager | None = None, **options: Any) -> None:
+    def __init__(
+        self, comm: AveragerComm, registry: Registry, *, hook: HookAverager | None = None, **options: Any
+    ) -> None:
         topo = comm.topology
         even = topo.even and comm.rail.across_nodes
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
@@ -515,7 +517,7 @@ class ShardedNodeAverager(RailAverager):
     full tensor's), so a model has the same fragments here as on a node of replicas.
     """
 
-    def __init__(self, comm: Any, registry: Registry, **options: Any) -> None:
+    def __init__(self, comm: AveragerComm, registry: Registry, **options: Any) -> None:
         super().__init__(comm, registry, **options)
         self.index = comm.groups.local_rank
 
