@@ -266,8 +266,10 @@ class RailAverager:
 
         def reduce(received: torch.Tensor) -> torch.Tensor:
             # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
-            mean = sum(codec.decode(received[j * nbytes : (j + 1) * nbytes], n) for j in range(N)) / divisor
-            assert isinstance(mean, torch.Tensor)
+            mean = codec.decode(received[:nbytes], n)  # summed in place: one piece's temporary at a time
+            for j in range(1, N):
+                mean.add_(codec.decode(received[j * nbytes : (j + 1) * nbytes], n))
+            mean.div_(divisor)
             if not feedback:
                 return codec.encode(mean)
             r = c.reduced_residual
@@ -277,8 +279,8 @@ class RailAverager:
             c.reduced_residual = ErrorFeedback.keep(left, r, self._store)
             return out
 
-        def decoded(f: torch.futures.Future) -> torch.Tensor:
-            return codec.decode_pieces(wait(f), padded, N)[: c.s]
+        def decoded(f: torch.futures.Future) -> torch.Tensor:  # into ``work`` too: free again by then
+            return codec.decode_pieces(wait(f), padded, N, out=e if e is work else None)[: c.s]
 
         return then(self.comm.average_quantized(packed, reduce), decoded, x.device, "the quantized rail average")
 
@@ -287,12 +289,8 @@ class RailAverager:
 
     def _complete(self, c: ChunkState, launched: Launched, out: torch.Tensor | None = None) -> torch.Tensor:
         """The target, in ``out`` (default: in the payload when it is fp32, else in a new vector)."""
-        avg = wait(launched.future)
-        if out is None:
-            out = avg if avg.dtype == torch.float32 else torch.empty(avg.shape, device=avg.device)
-        if out.data_ptr() != avg.data_ptr() or out.dtype != avg.dtype:  # (a plain payload: in place)
-            out.copy_(avg)  # 16 bits to fp32 with no temporary (an add of mixed dtypes makes one)
-        avg = out
+        got = wait(launched.future)  # into ``out`` by a copy: an add of 16 bits to fp32 makes an fp32 temporary
+        avg = got.float() if out is None else out.copy_(got) if out.data_ptr() != got.data_ptr() else out
         if self.raw_dtype is not None:
             return avg
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
