@@ -27,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from .futures import HierSyncError, completed, then, wait
 from .issuing import all_gather, issue
 
-__all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "import_torchft"]
+__all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "stale_step", "import_torchft"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class Window:
     """Whether this node's values enter the window's averages."""
     error: str | None = None
     """The first failure of one of its rail collectives, if any."""
+    stale: str | None = None
+    """Why this node may not go on (it opened a sync at another step than most of its peers):
+    raised once the window is decided, after this node voted no with the others."""
     committed: bool | None = None
     """None until decided."""
     futures: list[torch.futures.Future] = field(default_factory=list)
@@ -228,6 +232,26 @@ class GroupRail:
 
     def settle(self) -> None:
         return None
+
+
+def stale_step(mine: int, steps: Sequence[int]) -> str | None:
+    """Whether the contributors of one sync window opened it at the same step (``None``: they did).
+
+    Otherwise the step most of them are at goes on (a tie: the later step) and the window is
+    dropped; the message starts with "this node" on a node at another step, which must not go
+    on with its state (it is a period or more away from the others), else it names the others.
+    """
+    counts = Counter(steps)
+    if len(counts) <= 1:
+        return None
+    keep = max(counts, key=lambda s: (counts[s], s))
+    seen = ", ".join(f"{n} at step {s}" for s, n in sorted(counts.items()))
+    if mine != keep:
+        return (
+            f"this node opened the sync after step {mine} while its peers opened theirs after step {keep} "
+            f"(contributors: {seen}): it fell a period or more behind (a rail timeout its peers did not wait out?)"
+        )
+    return f"the sync after step {mine} was opened at other steps by some peers ({seen}): dropped"
 
 
 class TorchftRail:
@@ -365,13 +389,24 @@ class TorchftRail:
         window = self._new(marker, int(getattr(manager, "_quorum_id", -1)), participants)
         self._log_members(window)
         # Holds every member until a joiner healed in this quorum has its copy (torchft serves
-        # the live tensors of a CPU model until the next should_commit), and counts who contributes.
-        count = torch.tensor([1.0, 1.0 if contributes else 0.0], device=device)
-        wait(self.allreduce(count, "the rail barrier after the quorum"))
+        # the live tensors of a CPU model until the next should_commit), counts who contributes and
+        # checks that they all opened the same sync: a node that lost a rail timeout in a window its
+        # peers left at once is a period behind them while torchft's step (the same committed
+        # windows) cannot tell; averaging its step s with their s + k would mix two places.
+        row = torch.tensor([1.0 if contributes else 0.0, float(marker.step)], dtype=torch.float64, device=device)
+        rows = torch.zeros(participants * 2, dtype=torch.float64, device=device)
+        wait(self.all_gather(rows, row, "the rail barrier after the quorum"))
         window.contributes = contributes
-        # Every node healed in this quorum took its state from one that was not: at least one contributes.
-        # A failed barrier leaves garbage in ``count``; its window never commits, so its divisor is moot.
-        window.contributors = participants if window.error else max(1, round(float(count[1])))
+        if window.error:  # a failed barrier leaves garbage; its window never commits, so its divisor is moot
+            window.contributors = participants
+            return window
+        flags, steps = rows.view(participants, 2).T.tolist()  # one host read per window
+        window.contributors = max(1, round(sum(flags)))
+        if marker.kind == "sync" and contributes:
+            behind = stale_step(int(marker.step), [int(s) for f, s in zip(flags, steps) if f])
+            if behind is not None:
+                window.fail(RuntimeError(behind), "the rail barrier after the quorum")
+                window.stale = behind if behind.startswith("this node") else None
         return window
 
     def reuse(self, marker: Marker) -> Window:
@@ -432,6 +467,11 @@ class TorchftRail:
                 else "it changes nothing",
             )
         self.on_vote(window)
+        if window.stale:
+            raise HierSyncError(
+                f"hiersync: {window.stale}. It voted no with them and stops here; start it again (its torchrun does, "
+                "with --max-restarts) and it is healed from a live peer at the peers' step"
+            )
 
     # ------------------------------------------------------------- log
     def _log_members(self, window: Window) -> None:

@@ -65,3 +65,91 @@ def test_marker_round_trips_and_reads():
     assert m.describe() == "the sync of fragments [1, 3] after step 7"
     assert Marker("sync", 3, (0,)).describe() == "the sync after step 3"
     assert Marker("exact", 2).describe() == "exact step 2"
+
+
+class _Done:
+    """A torch Work whose future is already complete."""
+
+    def __init__(self, value) -> None:
+        self.fut = torch.futures.Future()
+        self.fut.set_result(value)
+
+    def get_future(self):
+        return self.fut
+
+
+class _BarrierPG:
+    """torchft's group as the rail barrier sees it: every node's row is given."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        self.rows = rows
+
+    def allgather(self, outs, ins, opts):
+        for out, row in zip(outs[0], self.rows):
+            out.copy_(torch.tensor(row, dtype=out.dtype))
+        return _Done(outs)
+
+
+class _Manager:
+    def __init__(self, rows: list[list[float]]) -> None:
+        self._pg, self._quorum_id, self.errors = _BarrierPG(rows), 7, []
+
+    def num_participants(self) -> int:
+        return len(self._pg.rows)
+
+    def report_error(self, e) -> None:
+        self.errors.append(str(e))
+
+    def should_commit(self) -> bool:
+        return not self.errors
+
+    def errored(self):
+        return self.errors[0] if self.errors else None
+
+
+def _open(rows, step, contributes=True):
+    from hiersync.transport import TorchftRail
+
+    rail = TorchftRail(_Manager(rows))
+    return rail, rail.open(Marker("sync", step, (0,)), torch.device("cpu"), contributes)
+
+
+def test_a_sync_whose_contributors_agree_on_the_step_commits():
+    # node 2 was healed in this quorum (it contributes nothing): its step is not compared
+    rail, window = _open([[1, 40], [1, 40], [0, 0]], 40)
+    assert window.error is None and window.contributors == 2 and window.participants == 3
+    assert rail.decide(window) is True
+
+
+def test_a_node_a_period_behind_its_peers_votes_no_and_stops_with_a_clear_error():
+    from hiersync.futures import HierSyncError
+
+    rail, window = _open([[1, 40], [1, 44], [1, 44]], 40)
+    assert window.error is not None and "behind" in window.error
+    with pytest.raises(HierSyncError, match="after step 40 while its peers opened theirs after step 44"):
+        rail.decide(window)
+    assert window.committed is False
+
+
+def test_the_peers_of_a_node_behind_drop_the_window_and_go_on():
+    rail, window = _open([[1, 40], [1, 44], [1, 44]], 44)
+    assert rail.decide(window) is False  # dropped: their local progress is kept, no error
+    assert "1 at step 40, 2 at step 44" in window.error
+
+
+@pytest.mark.parametrize(
+    ("mine", "steps", "goes_on"),
+    [
+        (8, [8, 8, 8], True),
+        (8, [8, 8, 12], True),  # the most nodes win
+        (12, [8, 8, 12], False),
+        (12, [8, 12], True),  # a tie: the later step (the node that did not wait out a timeout)
+        (8, [8, 12], False),
+    ],
+)
+def test_which_step_goes_on(mine, steps, goes_on):
+    from hiersync.transport import stale_step
+
+    verdict = stale_step(mine, steps)
+    assert (verdict is None or not verdict.startswith("this node")) == goes_on
+    assert (verdict is None) == (len(set(steps)) == 1)
