@@ -234,12 +234,12 @@ class GroupRail:
         return None
 
 
-def stale_step(mine: int, steps: Sequence[int]) -> str | None:
+def stale_step(mine: int, steps: Sequence[int]) -> tuple[str, bool] | None:
     """Whether the contributors of one sync window opened it at the same step (``None``: they did).
 
-    Otherwise the step most of them are at goes on (a tie: the later step) and the window is
-    dropped; the message starts with "this node" on a node at another step, which must not go
-    on with its state (it is a period or more away from the others), else it names the others.
+    Otherwise the window is dropped and the step most of them are at goes on (a tie: the later
+    step): ``(why, stale)``, ``stale`` on a node at another step, which must not go on with its
+    state (it is a period or more away from the others).
     """
     counts = Counter(steps)
     if len(counts) <= 1:
@@ -247,11 +247,12 @@ def stale_step(mine: int, steps: Sequence[int]) -> str | None:
     keep = max(counts, key=lambda s: (counts[s], s))
     seen = ", ".join(f"{n} at step {s}" for s, n in sorted(counts.items()))
     if mine != keep:
-        return (
+        why = (
             f"this node opened the sync after step {mine} while its peers opened theirs after step {keep} "
             f"(contributors: {seen}): it fell a period or more behind (a rail timeout its peers did not wait out?)"
         )
-    return f"the sync after step {mine} was opened at other steps by some peers ({seen}): dropped"
+        return why, True
+    return f"the sync after step {mine} was opened at other steps by some peers ({seen}): dropped", False
 
 
 class TorchftRail:
@@ -403,10 +404,11 @@ class TorchftRail:
         flags, steps = rows.view(participants, 2).T.tolist()  # one host read per window
         window.contributors = max(1, round(sum(flags)))
         if marker.kind == "sync" and contributes:
-            behind = stale_step(int(marker.step), [int(s) for f, s in zip(flags, steps) if f])
-            if behind is not None:
-                window.fail(RuntimeError(behind), "the rail barrier after the quorum")
-                window.stale = behind if behind.startswith("this node") else None
+            verdict = stale_step(int(marker.step), [int(s) for f, s in zip(flags, steps) if f])
+            if verdict is not None:
+                why, stale = verdict
+                window.fail(RuntimeError(why), "the rail barrier after the quorum")
+                window.stale = why if stale else None
         return window
 
     def reuse(self, marker: Marker) -> Window:
