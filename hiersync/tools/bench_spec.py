@@ -327,8 +327,9 @@ BURN_SECONDS = 2.0
 """... and at least this long (at the attributed steps' pace): the first free-running seconds are noisy."""
 
 STEADY_FACTOR = 3.0
-"""The rows of a claim that compares two nearly equal means (``bench_claims.steady_rows``) are
-timed this many times ``--min-seconds``: 24 steps instead of 8 at k=4 by default."""
+"""The rows whose noise a claim needs (``bench_claims.steady_rows``: two nearly equal means, a
+period-k row's windows, the cost model's rows) are timed this many times ``--min-seconds``:
+24 steps instead of 8 at k=4 by default."""
 
 
 def attributed_steps(spec: ScheduleSpec) -> int:

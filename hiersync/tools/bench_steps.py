@@ -132,7 +132,7 @@ def _timed_count(spec: ScheduleSpec, steps: int, attributed: list[dict[str, floa
 
 def _min_seconds(config: dict, spec: ScheduleSpec, compute: str) -> float:
     """How long the row's timed steps last at least: ``--min-seconds``, ``STEADY_FACTOR`` times
-    that for the rows a claim compares with a bound near 1x (:func:`.bench_claims.steady_rows`)."""
+    that for the rows whose noise a claim needs (:func:`.bench_claims.steady_rows`)."""
     seconds = float(config.get("min_seconds", 0.0))
     return seconds * STEADY_FACTOR if (spec.name, compute) in steady_rows() else seconds
 
