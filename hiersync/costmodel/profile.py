@@ -265,48 +265,43 @@ def optional_link(obj: Mapping[str, Any] | None) -> Link | None:
 
 
 _NCCL_SRC = "hop latencies and protocol limits: NCCL's tuner (src/graph/tuning.cc)"
-PRESETS: dict[str, Profile] = {
-    # 8x H100 SXM: ring all-reduce busbw ~370 GB/s inside the node (also reduce-scatter and
-    # all-gather), NVLS all-reduce ~480 GB/s (NVIDIA/nccl-tests#212, maintainer's figures);
-    # 8x ConnectX-7 NDR 400 Gb/s, 46-48 GB/s achieved each (line rate 50 GB/s).
-    "h100-8rail": Profile(
-        intra=Link.from_bandwidth(3.4e-6, 370e9),
-        inter=Link.from_bandwidth(14e-6, 47e9),
-        nodes=128,
-        ranks_per_node=8,
-        rails=8,
-        backend="nccl",
-        nvls_gbps=480.0,
-        gpu="hopper",
-        copy_gbps=1500.0,
-        name="h100-8rail",
-        source=(
-            f"8xH100 ring busbw ~370 GB/s, NVLS all-reduce ~480 (nccl-tests#212); 8x NDR 400 Gb/s at 47 GB/s; "
-            f"InfiniBand (no plugin latency); {_NCCL_SRC}; "
-            "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
-        ),
+# 8x H100 SXM: ring all-reduce busbw ~370 GB/s inside the node (also reduce-scatter and
+# all-gather), NVLS all-reduce ~480 GB/s (NVIDIA/nccl-tests#212, maintainer's figures);
+# 8x ConnectX-7 NDR 400 Gb/s, 46-48 GB/s achieved each (line rate 50 GB/s).
+_H100_8RAIL = Profile(
+    intra=Link.from_bandwidth(3.4e-6, 370e9),
+    inter=Link.from_bandwidth(14e-6, 47e9),
+    nodes=128,
+    ranks_per_node=8,
+    rails=8,
+    backend="nccl",
+    nvls_gbps=480.0,
+    gpu="hopper",
+    copy_gbps=1500.0,
+    name="h100-8rail",
+    source=(
+        f"8xH100 ring busbw ~370 GB/s, NVLS all-reduce ~480 (nccl-tests#212); 8x NDR 400 Gb/s at 47 GB/s; "
+        f"InfiniBand (no plugin latency); {_NCCL_SRC}; "
+        "copies at 1500 GB/s assumed (half of 3.35 TB/s HBM3: a copy reads and writes)"
     ),
+)
+
+PRESETS: dict[str, Profile] = {
+    "h100-8rail": _H100_8RAIL,
     # AWS p5.48xlarge: the 8x H100 node of h100-8rail behind 32x 100 Gb/s EFA, which aws-ofi-nccl
     # presents to NCCL as one 400 Gb/s device per GPU (47 GB/s, the 0.94 of line rate NDR reaches),
     # AMD EPYC hosts, aws-ofi-nccl reporting 75 us to NCCL's
     # tuner; the fabric's step latency (29 us) and switch tiers (0.85 of the bandwidth per tier
     # above 4-node leaves) fitted on the published p5 all-reduces, 2-32 nodes
     # (docs/costmodel-validation.md; AWS publishes neither).
-    "p5-efa": Profile(
-        intra=Link.from_bandwidth(3.4e-6, 370e9),
-        inter=Link.from_bandwidth(14e-6, 47e9),
+    "p5-efa": replace(
+        _H100_8RAIL,
         nodes=16,
-        ranks_per_node=8,
-        rails=8,
-        backend="nccl",
-        nvls_gbps=480.0,
-        gpu="hopper",
         net_latency_us=29.0,
         tuner_net_latency_us=75.0,
         host_cpu="amd",
         leaf_nodes=4,
         tier_efficiency=0.85,
-        copy_gbps=1500.0,
         name="p5-efa",
         source=(
             "AWS p5.48xlarge: 8xH100 as h100-8rail; 32x 100 Gb/s EFA, 4 per GPU as one 400 Gb/s device at 47 GB/s; "

@@ -129,6 +129,12 @@ def _welch_df(parts: Sequence[tuple[float, int]]) -> float:
     return total * total / denom if denom > 0 else float(sum(df for _, df in parts))
 
 
+def _half_width(parts: Sequence[tuple[float, int]], confidence: float) -> float:
+    """t x sqrt(sum of the variances ``v``) with Welch's degrees of freedom; 0 where they are all 0."""
+    spread = math.sqrt(sum(v for v, _ in parts))
+    return t_quantile(0.5 + confidence / 2, _welch_df(parts)) * spread if spread > 0 else 0.0
+
+
 def ratio_interval(
     steps: Sequence[float],
     period: int,
@@ -147,12 +153,8 @@ def ratio_interval(
     a, b = mean_and_se(steps, period), mean_and_se(ref_steps, ref_period)
     if a is None or b is None or a[0] <= 0 or b[0] <= 0:
         return None
-    parts = [((a[1] / a[0]) ** 2, a[2]), ((b[1] / b[0]) ** 2, b[2])]
-    spread = math.sqrt(sum(v for v, _ in parts))
+    h = _half_width([((a[1] / a[0]) ** 2, a[2]), ((b[1] / b[0]) ** 2, b[2])], confidence)
     centre = a[0] / b[0] if estimate is None else estimate
-    if spread == 0:
-        return Interval(centre, centre, centre)
-    h = t_quantile(0.5 + confidence / 2, _welch_df(parts)) * spread
     return Interval(centre, centre * math.exp(-h), centre * math.exp(h))
 
 
@@ -169,12 +171,8 @@ def difference_interval(
     a, b = mean_and_se(steps, period), mean_and_se(ref_steps, ref_period)
     if a is None or b is None:
         return None
-    parts = [(a[1] ** 2, a[2]), (b[1] ** 2, b[2])]
+    h = _half_width([(a[1] ** 2, a[2]), (b[1] ** 2, b[2])], confidence)
     centre = a[0] - b[0] if estimate is None else estimate
-    spread = math.sqrt(sum(v for v, _ in parts))
-    if spread == 0:
-        return Interval(centre, centre, centre)
-    h = t_quantile(0.5 + confidence / 2, _welch_df(parts)) * spread
     return Interval(centre, centre - h, centre + h)
 
 
