@@ -2,7 +2,7 @@
 
 pytest-benchmark times code in the pytest process, but a collective needs peers. This
 module starts ``world_size - 1`` helper processes, forked in milliseconds from the
-forkserver of :mod:`hiersync._launch` (torch is imported there already), that rendezvous
+forkserver of :mod:`hiersync.tools.launch` (torch is imported there already), that rendezvous
 with the pytest process through a ``FileStore`` in a temporary folder (no ports).
 :meth:`PeerWorld.call` sends ``(function, args)`` to every helper and then runs the same
 function here, so every collective is issued by every rank the same number of times,
@@ -156,7 +156,7 @@ class PeerWorld:
         ids = ",".join(map(str, self.node_ids))
         self._env_before = os.environ.get("HIERSYNC_NODE_IDS")
         os.environ["HIERSYNC_NODE_IDS"] = ids
-        from hiersync._launch import forkserver_context
+        from hiersync.tools.launch import forkserver_context
 
         ctx = forkserver_context()
         try:

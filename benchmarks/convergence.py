@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hiersync._io import atomic_save, atomic_write_json
-from hiersync._launch import run as launch
+from hiersync.tools.launch import run as launch
 
 __all__ = ["SCHEDULES", "make_config", "rank_main", "run", "summarize", "markdown_table", "plot", "main"]
 
@@ -246,7 +246,7 @@ def train_one(name: str, options: dict[str, Any] | None, cfg: dict[str, Any], da
 def rank_main(
     schedules: dict[str, dict[str, Any] | None], cfgs: Sequence[dict[str, Any]], datasets: Sequence[tuple]
 ) -> list[list[dict[str, Any]]]:
-    """Runs on every rank (under ``hiersync._launch``): every config (seed), every schedule in turn."""
+    """Runs on every rank (under ``hiersync.tools.launch``): every config (seed), every schedule in turn."""
     torch.set_num_threads(1)
     return [
         [train_one(name, options, cfg, data) for name, options in schedules.items()]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hiersync._io import atomic_write_json
-from hiersync._launch import run as launch
+from hiersync.tools.launch import run as launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 

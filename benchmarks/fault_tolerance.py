@@ -107,8 +107,8 @@ def _mean(times: list[float]) -> float:
 
 
 def overhead(periods: list[int], steps: int, repeats: int, options: dict) -> None:
-    from hiersync._launch import run
     from hiersync.tools.ft_nodes import Lighthouse, Nodes
+    from hiersync.tools.launch import run
 
     rows = []
     for period in periods:

@@ -91,7 +91,7 @@ def _rank(mode: str, width: int, layers: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hiersync._launch import run
+    from hiersync.tools.launch import run
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")

@@ -6,7 +6,9 @@ fragment layout) with ``sys.setprofile`` on rank
 0, and every call of a hiersync function is recorded. Printed: the modules the sync enters
 (in order of first entry), the number of module-to-module hops (a call from a function of
 one module into another's, and the return), and the calls per module. The walk of a sync a
-newcomer has to follow is the list of modules; the hops say how often the reader jumps.
+newcomer has to follow is the list of modules that call into others (the walk); the others
+are leaves (a counter, a flag, a predicate) read in passing; the hops say how often the
+reader jumps.
 
     python benchmarks/sync_path.py [--compress bf16] [--outer] [--fragments 1]
 """
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hiersync
-from hiersync._launch import run
+from hiersync.tools.launch import run
 
 
 def _trace(options: dict) -> dict:
@@ -35,6 +37,7 @@ def _trace(options: dict) -> dict:
     hops = 0
     where: list[str] = []
     functions: dict[str, set[str]] = collections.defaultdict(set)
+    calls_out: set[str] = set()  # modules that call into another hiersync module
 
     def profile(frame, event, arg):
         nonlocal hops
@@ -46,6 +49,7 @@ def _trace(options: dict) -> dict:
         if event == "call":
             if where and where[-1] != module:
                 hops += 1
+                calls_out.add(where[-1])
             where.append(module)
             enters.append(module)
             functions[module].add(frame.f_code.co_name)
@@ -68,6 +72,7 @@ def _trace(options: dict) -> dict:
         "hops": hops,
         "calls": dict(collections.Counter(enters)),
         "functions": {m: sorted(f) for m, f in functions.items()},
+        "spine": [m for m in order if m in calls_out],
     }
 
 
@@ -84,8 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"one blocking sync after optimizer.step() ({options}): {len(result['modules'])} modules, {result['hops']} hops"
     )
+    spine = result["spine"]
+    print(
+        f"the walk (modules that call into another): {len(spine)}; "
+        f"leaves (only called: a counter, a flag, a predicate): {len(result['modules']) - len(spine)}"
+    )
     for module in result["modules"]:
-        print(f"  {module:<28} {result['calls'][module]:>4} calls  {', '.join(result['functions'][module])}")
+        kind = "walk" if module in spine else "leaf"
+        print(f"  {module:<22} {kind}  {result['calls'][module]:>4} calls  {', '.join(result['functions'][module])}")
 
 
 if __name__ == "__main__":

@@ -426,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.nodes or args.procs_per_node:
-        from hiersync._launch import run as launch
+        from hiersync.tools.launch import run as launch
 
         nodes, lpn = args.nodes or 1, args.procs_per_node or 1
         node_ids = [r // lpn for r in range(nodes * lpn)]

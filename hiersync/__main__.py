@@ -1,3 +1,3 @@
-from hiersync.cli import main
+from hiersync.tools.cli import main
 
 raise SystemExit(main())

@@ -32,8 +32,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .futures import after, completed, ready_now, span, then, wait, when_all, wrap
-from .issuing import Sequencer, all_gather, issue, reduce_scatter
+from .futures import (
+    Sequencer,
+    after,
+    all_gather,
+    completed,
+    issue,
+    ready_now,
+    reduce_scatter,
+    span,
+    then,
+    wait,
+    when_all,
+    wrap,
+)
 from .stats import Stats
 from .topology import Groups
 from .transport import GroupRail, Transport
@@ -91,10 +103,9 @@ class HierComm:
     # ------------------------------------------------------------- helpers
     def _phase(self, what: str) -> str:
         """``what`` plus the step context, this rank and the ranks of the groups involved."""
-        g, topo = self.groups, self.topology
-        node = list(topo.node_ranks(g.rank))
+        g = self.groups
         ctx = self.label()
-        where = f"rank {g.rank}, node ranks {node}, {self.rail.describe(list(topo.rail(g.local_rank)))}"
+        where = f"rank {g.rank}, node ranks {list(g.node)}, {self.rail.describe(list(g.rail_ranks))}"
         return f"{what} ({ctx}; {where})" if ctx else f"{what} ({where})"
 
     # ------------------------------------------------------------- the rail
@@ -135,7 +146,7 @@ class HierComm:
         L, N = g.node_size, self.rail_nodes()
         if L * N == 1:
             return completed(tensor, tensor.device)
-        if not self.topology.even:
+        if not g.even:
             return self._via_leaders(tensor, replicated=False)
         if L == 1:
             return self._flat(tensor, None, INTER, "exact all-reduce over nodes", rail=True)
@@ -226,7 +237,7 @@ class HierComm:
 
             span_name = "hiersync/intra_all_gather"
         else:
-            node = self.topology.node_ranks(g.rank)
+            node = g.node
             for _ in range(L):
                 self.stats.record(INTRA, "broadcast", L, shard_len * esize)
 
@@ -257,8 +268,7 @@ class HierComm:
         nothing to reduce and the leader weighs its node by its ranks (the mean over all ranks).
         """
         g, topo = self.groups, self.topology
-        node = topo.node_ranks(g.rank)
-        leader, L = node[0], len(node)
+        leader, L = g.node[0], g.node_size
         nbytes = tensor.numel() * tensor.element_size()
         what = "parameter " if replicated else ""
         ready = ready_now(tensor.device)
@@ -320,11 +330,10 @@ class HierComm:
         issue these calls in the same order on every rank.
         """
         g = self.groups
-        topo = self.topology
         N = self.rail_nodes()
         if N == 1:
             return completed(flat, flat.device)
-        if not topo.even:
+        if not g.even:
             return self._via_leaders(flat, replicated=True)
         L = g.node_size
         n = flat.numel()
@@ -354,7 +363,7 @@ class HierComm:
         N = self.rail_nodes()
         if N == 1:
             return completed(shard, shard.device)
-        if not self.topology.even:
+        if not self.groups.even:
             raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
         shard.div_(self.rail_divisor())
         phase = self._phase("inter parameter all-reduce on the rail")

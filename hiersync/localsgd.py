@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .chunks import put
 from .collectives import HierComm
 from .futures import wait
 from .quant import CastCodec, codec_for
@@ -41,7 +42,6 @@ from .quant import CastCodec, codec_for
 __all__ = [
     "Registry",
     "chunk_by_bytes",
-    "put",
     "outer_step",
     "options_of",
     "HookAverager",
@@ -74,16 +74,6 @@ def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
-
-
-def put(dst: torch.Tensor, values: torch.Tensor, add: bool) -> None:
-    """``dst = values`` or ``dst += values`` (fp32 ``values``; the sum is rounded once for 16-bit ``dst``)."""
-    if add and dst.dtype == torch.float32:
-        dst.add_(values)
-    elif add:
-        dst.copy_(dst.float() + values)
-    else:
-        dst.copy_(values)
 
 
 def outer_step(

@@ -253,6 +253,7 @@ class CrossNodeSync:
         self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
         self._layout: list[list[int]] | None = None
+        self._chunks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # by fragment, with the layout
         self._forward_hook: Any = None
 
     def layout(self) -> list[list[int]]:
@@ -329,7 +330,7 @@ class CrossNodeSync:
         state must not keep the model, its copies or the optimizer alive with it.
         """
         self._unhook()
-        self.in_flight, self.due, self._layout = [], None, None
+        self.in_flight, self.due, self._layout, self._chunks = [], None, None, {}
         self.averager.release()
 
     def _unhook(self) -> None:
@@ -338,12 +339,17 @@ class CrossNodeSync:
             self._forward_hook = None
 
     def chunks(self, fragments: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """(fragment, registry positions) per transfer, in the same order on every rank."""
+        """(fragment, registry positions) per transfer, in the same order on every rank (packed
+        once per fragment, with the layout)."""
         out = []
         for f in fragments:
-            idx = self.layout()[f]
-            sizes = self.averager.chunk_bytes(idx)
-            out += [(f, tuple(idx[j] for j in part)) for part in chunk_by_bytes(sizes, self.chunk_bytes)]
+            if f not in self._chunks:
+                idx = self.layout()[f]
+                if not idx:  # nothing registered yet: nothing to cache
+                    continue
+                parts = chunk_by_bytes(self.averager.chunk_bytes(idx), self.chunk_bytes)
+                self._chunks[f] = [(f, tuple(idx[j] for j in part)) for part in parts]
+            out += self._chunks[f]
         return out
 
     def _settle_fragment(self, f: int) -> None:

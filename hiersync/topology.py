@@ -403,7 +403,10 @@ class Topology:
 
 @dataclass
 class Groups:
-    """This rank's process groups. ``None`` where the group would hold only this rank."""
+    """This rank's process groups. ``None`` where the group would hold only this rank.
+
+    Where the rank sits (its node, local rank, rail) is read once here, so the collectives
+    of a sync read plain attributes."""
 
     topology: Topology
     rank: int
@@ -412,22 +415,28 @@ class Groups:
     rail: dist.ProcessGroup | None
     rack_rail: dist.ProcessGroup | None = None
     """The rail inside this rank's rack (built only for a rack level)."""
+    node: tuple[int, ...] = field(init=False)
+    """The global ranks of this rank's node."""
+    local_rank: int = field(init=False)
+    node_size: int = field(init=False)
+    rail_ranks: tuple[int, ...] = field(init=False)
+    """The global ranks of this rank's rail, one per node that has its local rank."""
+    is_leader: bool = field(init=False)
+    even: bool = field(init=False)
+    """Whether every node has the same number of ranks."""
 
-    @property
-    def node_size(self) -> int:
-        return len(self.topology.node_ranks(self.rank))
-
-    @property
-    def local_rank(self) -> int:
-        return self.topology.local_rank(self.rank)
+    def __post_init__(self) -> None:
+        topo = self.topology
+        self.node = topo.node_ranks(self.rank)
+        self.local_rank = topo.local_rank(self.rank)
+        self.node_size = len(self.node)
+        self.rail_ranks = topo.rail(self.local_rank)
+        self.is_leader = self.local_rank == 0
+        self.even = topo.even
 
     @property
     def rail_size(self) -> int:
-        return len(self.topology.rail(self.local_rank))
-
-    @property
-    def is_leader(self) -> bool:
-        return self.local_rank == 0
+        return len(self.rail_ranks)
 
     def destroy(self) -> None:
         """Destroy this rank's groups (local; collectives on them fail afterwards)."""

@@ -36,8 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .futures import HierSyncError, completed, then, wait
-from .issuing import all_gather, issue
+from .futures import HierSyncError, all_gather, completed, issue, then, wait
 
 __all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "stale_step", "import_torchft"]
 

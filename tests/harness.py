@@ -1,7 +1,7 @@
 """Shared helpers for the multi-process tests (imported by name: not a conftest.py,
 which would clash with benchmarks/conftest.py when pytest collects both folders).
 
-Every multi-process test goes through hiersync._launch.run: FileStore rendezvous (no
+Every multi-process test goes through hiersync.tools.launch.run: FileStore rendezvous (no
 ports), a process-group timeout, a wall-clock limit, and all ranks killed on the first
 failure. Keep worlds <= 4 (6 at most) and models tiny: the machine has two cores.
 """
@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from hiersync._launch import run
+from hiersync.tools.launch import run
 
 # Topologies every distributed behaviour is checked on (one node id per global rank).
 TOPOLOGIES = {

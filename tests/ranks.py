@@ -1,4 +1,4 @@
-"""Functions that run on every rank under hiersync._launch (module level, so importable).
+"""Functions that run on every rank under hiersync.tools.launch (module level, so importable).
 
 Shared by the multi-process tests. Models are tiny: the machine has two cores.
 """

@@ -178,7 +178,7 @@ TINY = ["--sizes", "4096,65536,262144", "--warmup", "1", "--reps", "3", "--budge
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    from hiersync.cli import main
+    from hiersync.tools.cli import main
 
     out = tmp_path_factory.mktemp("cal") / "profile.json"
     assert main(["calibrate", "--nodes", "2", "--procs-per-node", "2", "--rails", "1", "--out", str(out), *TINY]) == 0
@@ -200,7 +200,7 @@ def test_calibrate_command_writes_profile(calibrated, capsys):
 
 
 def test_calibrate_needs_ranks():
-    from hiersync.cli import main
+    from hiersync.tools.cli import main
 
     with pytest.raises(ValueError, match="torchrun"):
         main(["calibrate", "--out", "unused.json"])

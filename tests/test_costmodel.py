@@ -716,17 +716,21 @@ def test_streaming_step_time_by_hand():
     blocking = cm.step_time("hiersync", period=4, fragments=2, overlap=0, **_a100())
     assert blocking.exposed_s == pytest.approx(local.exposed_s + 2 * _sync(prof, 7e9) / 4, rel=1e-12)
     assert blocking.exposed_peak_s == pytest.approx(local.exposed_s + _sync(prof, 7e9), rel=1e-12)
-    # launch copies at a given per-byte cost: the snapshot and payload of this rank's 1/8 shard
+    # launch copies at a given per-byte cost: the snapshot and payload of this rank's 1/8 shard, the
+    # payload divided in place, and the correction added into the whole fragment tau steps later
+    frag_b, shard_b = 14e9 / 4, 14e9 / 4 / 8
+    overlapped = (cm.SYNC_COPIES + 1) * shard_b + cm.APPLY_PASSES * frag_b
     copies = cm.step_time("hiersync", period=4, fragments=4, overlap=1, copy_s_per_byte=1e-12, **_a100())
-    assert copies.exposed_s == pytest.approx(st.exposed_s + cm.SYNC_COPIES * 14e9 / 4 / 8 * 1e-12, rel=1e-9)
-    assert cm.launch_copy_bytes(14e9 / 4, 8, 1) == 2 * 14e9 / 4 / 8
-    # blocking: the shard's payload, then the gathered average written into the whole fragment
-    assert cm.launch_copy_bytes(14e9 / 4, 8, 0) == 14e9 / 4 / 8 + 14e9 / 4
-    # bf16 deltas: the delta (a shard; in place when blocking) and its 16-bit cast (half a shard);
-    # the average back in fp32 (a shard) on the step when blocking, or overlapped on one-rank nodes
-    assert cm.launch_copy_bytes(800.0, 8, 1, 0.5) == 2 * 100 + 50
-    assert cm.launch_copy_bytes(800.0, 8, 0, 0.5) == 100 + 50 + 800 + 100
-    assert cm.launch_copy_bytes(800.0, 1, 1, 0.5) == 2 * 800 + 400 + 800
+    assert copies.exposed_s == pytest.approx(st.exposed_s + overlapped * 1e-12, rel=1e-9)
+    assert cm.launch_copy_bytes(frag_b, 8, 1) == overlapped
+    # blocking: the shard's payload (and its division), then the gathered average written into the fragment
+    assert cm.launch_copy_bytes(frag_b, 8, 0) == 2 * shard_b + frag_b
+    # bf16 deltas: the delta (a shard; in place when blocking), its 16-bit cast and its division (half
+    # a shard each); the average back in fp32 (a shard) on the step when blocking, or overlapped on
+    # one-rank nodes
+    assert cm.launch_copy_bytes(800.0, 8, 1, 0.5) == 2 * 100 + 1.5 * 800 + 50 + 50
+    assert cm.launch_copy_bytes(800.0, 8, 0, 0.5) == 100 + 800 + 50 + 50 + 100
+    assert cm.launch_copy_bytes(800.0, 1, 1, 0.5) == 2 * 800 + 1.5 * 800 + 400 + 400 + 800
 
 
 def test_inter_bytes_per_step():

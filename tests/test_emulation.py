@@ -14,8 +14,8 @@ import torch
 from harness import TOPOLOGIES, launch
 
 from hiersync import emulation
-from hiersync._launch import RankFailed
 from hiersync.futures import HierSyncError, completed, failed, settle, wait, when_all
+from hiersync.tools.launch import RankFailed
 
 pytestmark = pytest.mark.nccl_emulation  # selected by `pytest -m nccl_emulation`
 
@@ -140,7 +140,7 @@ FSDP_OVERLAP = ("fsdp_ranks.fsdp_check", dict(reference="ddp", period=2, tau=1, 
 # collective's result in hiersync.
 SITES = {
     "release_reads_buckets_unwaited": ("hiersync.ddp", "_release", PARITY),  # _finish_step
-    "later_leg_launched_unwaited": ("hiersync.issuing", "go", PARITY),  # Sequencer
+    "later_leg_launched_unwaited": ("hiersync.futures", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
     # In the hook the step's join waits on the average before complete() reads it;
     # after optimizer.step() (blocking) _complete() is the only reader. (With overlap it runs

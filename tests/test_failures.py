@@ -19,7 +19,7 @@ from harness import (
     nccl_mode,  # noqa: F401  (a fixture, used by name)
 )
 
-from hiersync._launch import run_all
+from hiersync.tools.launch import run_all
 
 KILL_TIMEOUT_S = 4.0
 JOB_TIMEOUT_S = 10.0

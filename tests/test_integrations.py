@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from hiersync._launch import run
+from hiersync.tools.launch import run
 
 NODES = [0, 0, 1, 1]
 STEPS = 10  # Accelerate: steps of the uninterrupted run; the checkpoint is taken after SAVE_AT

@@ -150,7 +150,7 @@ def test_a_rack_level_pays_behind_a_slow_spine_and_not_behind_a_full_one():
 
 
 def test_plan_prints_the_three_levels(capsys):
-    from hiersync.cli import main
+    from hiersync.tools.cli import main
 
     argv = "plan --preset a100-1nic --nodes 128 --params 1e9 --backward-ms 200 --forward-ms 100"
     main([*argv.split(), "--nodes-per-rack", "8", "--oversubscription", "32"])

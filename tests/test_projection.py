@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hiersync import cli
 from hiersync.costmodel.projection import COLUMNS, project, to_csv, to_markdown
+from hiersync.tools import cli
 
 
 def test_rows_and_shapes():

@@ -9,7 +9,7 @@ from harness import (
     nccl_mode,  # noqa: F401  (a fixture, used by name)
 )
 
-from hiersync._launch import run_all
+from hiersync.tools.launch import run_all
 
 TIMEOUT_S = 4.0  # HierState(timeout=...) for these tests
 MARGIN_S = 10.0  # the local steps before the next sync, on 2 busy cores
@@ -86,7 +86,7 @@ def test_nan_never_reaches_parameters(mode):
 
 @pytest.mark.usefixtures("nccl_mode")
 def test_nonfinite_raise_mode():
-    from hiersync._launch import RankFailed, run
+    from hiersync.tools.launch import RankFailed, run
 
     with pytest.raises(RankFailed, match="non-finite gradient at step 1"):
         run(ranks.nan_raise, 2, (), node_ids=[0, 1], timeout=60)

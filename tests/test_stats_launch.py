@@ -9,8 +9,8 @@ import pytest
 import ranks
 from harness import TOPOLOGIES, launch
 
-from hiersync._launch import RankFailed, run, run_all
 from hiersync.stats import collective_bytes
+from hiersync.tools.launch import RankFailed, run, run_all
 
 
 def test_collective_bytes_formulas():

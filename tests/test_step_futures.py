@@ -17,8 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync import HierState
-from hiersync.futures import HierSyncError, completed, failed, wait, when_all
-from hiersync.issuing import Sequencer
+from hiersync.futures import HierSyncError, Sequencer, completed, failed, wait, when_all
 from hiersync.stats import Stats
 from hiersync.transport import GroupRail
 

@@ -104,20 +104,20 @@ def test_detect_from_env_override():
 
 def test_detect_from_hostname_same_host_is_one_node():
     # no HIERSYNC_NODE_IDS: every rank reports this host's name -> one node
-    from hiersync._launch import run
+    from hiersync.tools.launch import run
 
     assert run(ranks.detect_topology, 3, timeout=60)[0] == [[0, 1, 2]]
 
 
 def test_detect_from_group_rank():
     # torchrun sets GROUP_RANK per agent: one agent per emulated node makes distinct nodes
-    from hiersync._launch import run
+    from hiersync.tools.launch import run
 
     assert run(ranks.detect_by_group_rank, 4, timeout=60)[0] == [[0, 1], [2, 3]]
 
 
 def test_detect_rejects_malformed_env():
-    from hiersync._launch import RankFailed, run
+    from hiersync.tools.launch import RankFailed, run
 
     with pytest.raises(RankFailed, match="has 3 entries but the world has 2 ranks"):
         run(ranks.detect_topology, 2, env={"HIERSYNC_NODE_IDS": "0,0,1"}, timeout=60)
@@ -131,14 +131,14 @@ def test_detect_needs_process_group():
 # ------------------------------------------------------------------ real-cluster safety
 def test_node_key_names_an_env_var_read_on_each_rank():
     # e.g. HIERSYNC_NODE_KEY=SLURM_NODEID, or a Kubernetes node name via the downward API
-    from hiersync._launch import run
+    from hiersync.tools.launch import run
 
     res = run(ranks.detect_by_node_key, 4, env={"HIERSYNC_NODE_KEY": "FAKE_NODE"}, timeout=60)
     assert all(r == ([[0, 1], [2, 3]], "HIERSYNC_NODE_KEY=FAKE_NODE") for r in res), res
 
 
 def test_node_key_unset_on_one_rank_fails_on_every_rank():
-    from hiersync._launch import run_all
+    from hiersync.tools.launch import run_all
 
     outs = run_all(ranks.detect_by_node_key, 4, (3,), env={"HIERSYNC_NODE_KEY": "FAKE_NODE"}, timeout=60)
     for o in outs:  # every rank raises (none hangs), naming the variable and the ranks

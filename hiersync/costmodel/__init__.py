@@ -77,6 +77,7 @@ from .predict import (
 from .profile import PRESETS, PROFILE_FORMAT, Profile, default_copy_gbps, get_preset, preset_for_backend
 from .steptime import PLACEMENTS, SCHEDULES, StepTime, simulate, step_time
 from .streaming import (
+    APPLY_PASSES,
     DEFAULT_COPY_S_PER_BYTE,
     SYNC_COPIES,
     fragments_per_step,
@@ -133,6 +134,7 @@ __all__ = [
     "choose_exact_algorithm",
     "INTRA_ALGORITHMS",
     "intra_algorithm_for_backend",
+    "APPLY_PASSES",
     "SYNC_COPIES",
     "launch_copy_bytes",
     "DEFAULT_COPY_S_PER_BYTE",

@@ -399,8 +399,9 @@ def format_plan(plan: Plan) -> str:
         f"sync hides only behind "
         f"tau local steps ({_ms(plan.compute_s)} of compute plus the local step's exposed intra-node communication "
         f"each), the rest is exposed; "
-        f"launch copies (a rank's shard: snapshot and payload, or payload and write-back) are exposed on the "
-        f"launch step; communication never slows compute; "
+        f"launch copies (a rank's shard: snapshot, payload and its division, or payload and write-back; "
+        f"an overlapped correction's add into its fragment) are exposed on the step; "
+        f"communication never slows compute; "
         f"warmup steps not modelled",
         "peak_inter_MB: bytes one rank sends between nodes in its busiest step (MiB); streaming rows "
         "(F fragments, applied tau steps after launch) run after optimizer.step()",

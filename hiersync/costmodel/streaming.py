@@ -34,6 +34,7 @@ from .links import check_count, check_number
 
 __all__ = [
     "SYNC_COPIES",
+    "APPLY_PASSES",
     "DEFAULT_COPY_S_PER_BYTE",
     "launch_copy_bytes",
     "check_streaming",
@@ -46,6 +47,9 @@ __all__ = [
 SYNC_COPIES = 2
 """Copies of a rank's shard of a fragment per overlapped launch (the snapshot and the payload,
 ``ShardedAverager.launch``); see :func:`launch_copy_bytes`."""
+APPLY_PASSES = 1.5
+"""An overlapped correction added into its fragment's parameters, in copies of the fragment: an
+add reads two vectors and writes one where a copy reads one and writes one."""
 DEFAULT_COPY_S_PER_BYTE = 0.0
 """Copies are free by default, which keeps the whole-model placements' numbers as they were.
 A device-to-device copy on an H100 (~3 TB/s of HBM, read + write) costs ~7e-13 s/B, one
@@ -54,25 +58,31 @@ _WINDOWS = 64  # steady state is reached within a few windows unless the channel
 
 
 def launch_copy_bytes(fragment_bytes: float, ranks_per_node: int, overlap: int, compress_ratio: float = 1.0) -> float:
-    """Bytes a rank copies on the compute stream to launch one fragment's cross-node average.
+    """Bytes, in copies, a rank moves on the compute stream for one fragment's cross-node average.
 
-    The after-step state is sharded across the node (:mod:`hiersync.shards`): a rank flattens
-    only its 1/L shard. Overlapped (``overlap >= 1``), it keeps a snapshot of the shard and a
-    payload for the transfer (``SYNC_COPIES`` = 2 shard copies); blocking, one payload, and the
-    average is written back into the whole fragment's parameters once the node gathered it.
-    With ``compress`` (``compress_ratio`` < 1) the payload is the delta from the anchor (one
-    shard, in place when blocking) cast to 16 bits (``compress_ratio`` of a shard more), and
-    the averaged delta comes back as a new fp32 shard: on the compute stream when blocking, or
-    when applying an overlapped correction on a node of one rank (with L > 1 that maths runs
-    at the end of the rail leg, off the step: :meth:`hiersync.shards.ShardedAverager.gather_correction`);
-    it is counted here, with the launch. Applying an overlapped correction (an add) is not charged.
+    The after-step state is sharded across the node: a rank flattens only its 1/L shard.
+    Overlapped (``overlap >= 1``), it keeps a snapshot of the shard and a payload for the
+    transfer (``SYNC_COPIES`` = 2 shard copies), and ``tau`` steps later adds the node's
+    gathered correction into the whole fragment (``APPLY_PASSES`` copies of it); blocking, one
+    payload, and the average is written back into the whole fragment's parameters once the
+    node gathered it. Either way the payload is divided by the number of nodes in place before
+    the rail all-reduce (one pass over it). With ``compress`` (``compress_ratio`` < 1) the
+    payload is the delta from the anchor (one shard, in place when blocking) cast to 16 bits
+    (``compress_ratio`` of a shard more), and the averaged delta comes back as a new fp32
+    shard: on the compute stream when blocking, or when applying an overlapped correction on a
+    node of one rank (with L > 1 that maths runs at the end of the rail leg, off the step); it
+    is counted here, with the launch.
     """
     lpn = check_count("ranks_per_node", ranks_per_node)
-    shard = check_number("fragment_bytes", fragment_bytes) / lpn
+    fragment_bytes = check_number("fragment_bytes", fragment_bytes)
+    shard = fragment_bytes / lpn
     ratio = check_number("compress_ratio", compress_ratio, strict=True)
     cast = ratio * shard if ratio < 1 else 0.0
     back = shard if ratio < 1 and (not overlap or lpn == 1) else 0.0
-    return (SYNC_COPIES * shard if overlap else shard + fragment_bytes) + cast + back
+    divide = min(ratio, 1.0) * shard
+    if overlap:
+        return SYNC_COPIES * shard + APPLY_PASSES * fragment_bytes + divide + cast + back
+    return shard + fragment_bytes + divide + cast + back
 
 
 def check_streaming(period: int, fragments: Any, overlap: Any) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """The command-line tooling around hiersync: measurement, benchmarks and the emulated cluster.
 
 Nothing here is imported by ``import hiersync``; ``python -m hiersync <command>`` imports
-the one module its command needs (:mod:`hiersync.cli`).
+the one module its command needs (:mod:`hiersync.tools.cli`).
 
 * :mod:`.calibrate` (with :mod:`.sweep`): measure alpha and beta per level, write a profile;
 * :mod:`.collbench` (with :mod:`.linkrate`): an nccl-tests-like microbenchmark per level;

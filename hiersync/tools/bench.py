@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         logger.error("bench: %s", e)
         return 2
-    from hiersync._launch import RankFailed
+    from hiersync.tools.launch import RankFailed
 
     from .testbed import TestbedError
 

@@ -313,7 +313,7 @@ def calibrate(config: SweepConfig, device: torch.device | None = None) -> dict[s
 
 
 def _local_rank_body(config: SweepConfig) -> dict[str, Any] | None:
-    """Body of every rank under :func:`hiersync._launch.run` (module level: the forkserver imports it)."""
+    """Body of every rank under :func:`hiersync.tools.launch.run` (module level: the forkserver imports it)."""
     import torch.distributed as dist
 
     result = calibrate(config)
@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
         nodes, lpn = args.nodes or 1, args.procs_per_node or 1
         if nodes < 1 or lpn < 1 or nodes * lpn < 2:
             raise ValueError(f"need --nodes >= 1 and --procs-per-node >= 1 with at least 2 ranks, got {nodes} x {lpn}")
-        from hiersync._launch import run as launch
+        from hiersync.tools.launch import run as launch
 
         node_ids = [r // lpn for r in range(nodes * lpn)]
         results = launch(

@@ -2,7 +2,7 @@
 
 On the testbed (:class:`~hiersync.tools.testbed.Testbed`, network namespaces) every node
 runs a torchrun agent whose ranks execute ``python -m hiersync.tools.cluster --call ...``;
-on loopback the ranks are forked by :func:`hiersync._launch.run` with
+on loopback the ranks are forked by :func:`hiersync.tools.launch.run` with
 ``HIERSYNC_NODE_IDS`` describing the emulated nodes. Either way the target is named
 ``"package.module:function"`` and called with one picklable ``config``.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hiersync._io import atomic_write_bytes
-from hiersync._launch import run as launch_ranks
+from hiersync.tools.launch import run as launch_ranks
 
 from .netns import DEFAULT_RATE
 from .testbed import Testbed, TestbedError
@@ -65,7 +65,7 @@ def run_ranks(
 
     Returns the per-rank return values (picklable) and a description of where they ran
     (``mode`` is ``"netns"`` or ``"loopback"``). On the testbed every node runs a torchrun
-    agent; on loopback the ranks are forked by :func:`hiersync._launch.run` with
+    agent; on loopback the ranks are forked by :func:`hiersync.tools.launch.run` with
     ``HIERSYNC_NODE_IDS`` describing the emulated nodes. ``nodes_per_rack``: consecutive nodes
     form racks (``HIERSYNC_RACK_KEY`` on the testbed, ``HIERSYNC_RACK_IDS`` on loopback);
     ``world_rate``: the testbed's rate between racks.

@@ -310,7 +310,7 @@ def make_config(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from hiersync._launch import RankFailed
+    from hiersync.tools.launch import RankFailed
 
     from .cluster import run_ranks
     from .testbed import TestbedError

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._launch import forkserver_context
+from .launch import forkserver_context
 
 __all__ = ["Lighthouse", "Nodes", "NodeFailed", "manager", "progress", "node_index", "free_port"]
 

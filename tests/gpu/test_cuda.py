@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import cuda_ranks
 
-from hiersync._launch import run
+from hiersync.tools.launch import run
 
 pytestmark = [
     pytest.mark.cuda,

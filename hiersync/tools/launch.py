@@ -12,7 +12,7 @@ starts in milliseconds instead of re-importing torch; ``fn`` must be importable
 
 Example::
 
-    >>> from hiersync._launch import run
+    >>> from hiersync.tools.launch import run
     >>> run(my_fn, world_size=4, node_ids=[0, 0, 1, 1], timeout=60)
 """
 
