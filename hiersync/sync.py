@@ -315,8 +315,7 @@ class CrossNodeSync:
             self._sync(Marker("sync", step, tuple(fragments), True, step + 1 + max(self.overlap, 1)))
 
     def _sync(self, marker: Marker) -> None:
-        window = self.open_window(marker)
-        if window is not None:
+        if (window := self.open_window(marker)) is not None:
             self.run_window(window)
 
     def _open_window(self, marker: Marker) -> Window:
@@ -343,13 +342,11 @@ class CrossNodeSync:
         once per fragment, with the layout)."""
         out = []
         for f in fragments:
-            if f not in self._chunks:
-                idx = self.layout()[f]
-                if not idx:  # nothing registered yet: nothing to cache
-                    continue
+            idx = self.layout()[f]
+            if idx and f not in self._chunks:  # packed once (nothing registered yet: nothing to cache)
                 parts = chunk_by_bytes(self.averager.chunk_bytes(idx), self.chunk_bytes)
                 self._chunks[f] = [(f, tuple(idx[j] for j in part)) for part in parts]
-            out += self._chunks[f]
+            out += self._chunks.get(f, [])
         return out
 
     def _settle_fragment(self, f: int) -> None:

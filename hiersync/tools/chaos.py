@@ -53,12 +53,6 @@ __all__ = ["ChaosConfig", "Event", "RunRecord", "run_chaos", "analyze", "report"
 
 logger = logging.getLogger(__name__)
 
-SENDING = "sending-{node}"
-"""A file a node creates in the run's folder when torchft asks it for its state (it heals a peer)."""
-SLOW_SEND = "slow-send"
-"""While this file is in the run's folder, a node asked for its state takes a second to hand it
-over, as a large model's state takes seconds to send: time enough to kill it while it sends."""
-
 
 def can_partition() -> bool:
     """Whether ``partition`` can run here: root, and ``iptables`` with the owner match."""
@@ -245,6 +239,8 @@ class _Driver:
         for n in victims:
             self._kill(n, index, kind)
         if kind == "kill-source":
+            from .chaos_worker import SENDING, SLOW_SEND  # the worker's flags (it imports torch)
+
             for f in Path(self.nodes.root).glob(SENDING.format(node="*")):
                 f.unlink()
             (Path(self.nodes.root) / SLOW_SEND).touch()
@@ -278,6 +274,8 @@ class _Driver:
                 self.nodes.start(n, self.fn, (dict(self.work, start_nodes=1),))
                 self.events.append(Event(time.time(), "restart", n))
         if self.source_hunt is not None:
+            from .chaos_worker import SENDING, SLOW_SEND
+
             until, index = self.source_hunt
             sources = [int(f.name.split("-")[1]) for f in Path(self.nodes.root).glob(SENDING.format(node="*"))]
             live = [n for n in sources if n not in self.down and self._running(n)]

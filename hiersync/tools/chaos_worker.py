@@ -31,9 +31,14 @@ import hiersync
 
 from . import ft_nodes
 from .bench_compute import accel_linear
-from .chaos import SENDING, SLOW_SEND
 
 __all__ = ["train", "build", "val_loss", "val_loss_of"]
+
+SENDING = "sending-{node}"
+"""A file a node creates in the run's folder when torchft asks it for its state (it heals a peer)."""
+SLOW_SEND = "slow-send"
+"""While this file is in the run's folder, a node asked for its state takes a second to hand it
+over, as a large model's state takes seconds to send: time enough to kill it while it sends."""
 
 DIM_IN, WIDTH = 8, 64
 
