@@ -83,6 +83,7 @@ from hiersync.vocab import NONFINITE_MODES, parse_count
 
 from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
+from .bench_noise import loaded
 from .bench_progress import ProgressFile, environment
 from .bench_rows import summarize
 from .bench_spec import (
@@ -471,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
             "95% interval from this run's per-step times;\nPASS or FAIL only where the interval is clear of the "
             "bound, inconclusive where it holds it (more --min-seconds narrows it)"
         )
-        if env["cpus"] and env["loadavg_1min_before"] > env["cpus"]:
+        if loaded(env):  # the rule the claims apply, said once above them
             print(
                 f"(load average {env['loadavg_1min_before']:.1f} on {env['cpus']} cores before the run: other work "
                 "took the cores the ranks need, and its load changes between rows by more than any interval holds, "
