@@ -205,10 +205,10 @@ def test_nvls_tree_is_priced_with_the_mid_size_shortfall_on_hopper():
 # with the fabric latencies fitted on the other sources) and in sample; a change that makes any
 # of them worse fails here. The targets: intra <= 5%, inter bandwidth-bound <= 10%, inter
 # 1-512 MiB <= 20%, latency-bound <= 25%.
-# The 14 rows on 16-248 nodes are harder than the rest (13.8% bandwidth-bound, 25% latency-bound
+# The 15 rows on 16-248 nodes are harder than the rest (13.8% bandwidth-bound, 18.1% latency-bound
 # held out): they set the inter-bw and latency pins.
-PINNED_LOSO = {"intra": 0.0185, "inter-bw": 0.0530, "inter-mid": 0.1540, "latency": 0.1345}
-PINNED_IN_SAMPLE = {"intra": 0.0185, "inter-bw": 0.0530, "inter-mid": 0.1350, "latency": 0.1150}
+PINNED_LOSO = {"intra": 0.0185, "inter-bw": 0.0530, "inter-mid": 0.1540, "latency": 0.1325}
+PINNED_IN_SAMPLE = {"intra": 0.0185, "inter-bw": 0.0530, "inter-mid": 0.1350, "latency": 0.1125}
 TARGETS = {"intra": 0.05, "inter-bw": 0.10, "inter-mid": 0.20, "latency": 0.25}
 
 
@@ -218,8 +218,8 @@ def rows():
 
 
 def test_the_published_table_is_in_the_repository(rows):
-    assert len(rows) == 150 and {r.regime for r in rows} == set(REGIMES)
-    assert sum(r.nodes >= 16 for r in rows) == 14 and max(r.nodes for r in rows) == 248
+    assert len(rows) == 151 and {r.regime for r in rows} == set(REGIMES)
+    assert sum(r.nodes >= 16 for r in rows) == 15 and max(r.nodes for r in rows) == 248
     assert len({r.source for r in rows}) >= 20
     clean = [r for r in rows if r.clean]
     assert sum(r.regime == "inter-mid" for r in clean) >= 40 and sum(r.regime == "latency" for r in clean) >= 30
@@ -335,7 +335,7 @@ def test_fit_switch_tiers_recovers_the_tiers_from_several_node_counts():
 def test_the_16_plus_node_medians_do_not_get_worse(rows):
     """docs/costmodel.md's table at 16+ nodes: scaled out (fitted below 16 nodes) and held out by source."""
     scaled = medians(scale_out(rows))
-    assert {r: n for r, (_, n) in scaled.items() if n} == {"inter-bw": 7, "inter-mid": 4, "latency": 3}
-    assert scaled["inter-bw"][0] <= 0.132 and scaled["inter-mid"][0] <= 0.106 and scaled["latency"][0] <= 0.251
+    assert {r: n for r, (_, n) in scaled.items() if n} == {"inter-bw": 7, "inter-mid": 4, "latency": 4}
+    assert scaled["inter-bw"][0] <= 0.132 and scaled["inter-mid"][0] <= 0.106 and scaled["latency"][0] <= 0.182
     held = medians(leave_one_source_out(rows), min_nodes=16)
-    assert held["inter-bw"][0] <= 0.139 and held["inter-mid"][0] <= 0.17 and held["latency"][0] <= 0.251
+    assert held["inter-bw"][0] <= 0.139 and held["inter-mid"][0] <= 0.17 and held["latency"][0] <= 0.182
