@@ -33,7 +33,7 @@ import torch
 from .buffers import BufferPool
 from .chunks import ChunkState, ChunkStore
 from .futures import completed, then, wait
-from .localsgd import HookAverager, Registry, missing_anchor, outer_step
+from .localsgd import Registry, missing_anchor, outer_step
 from .quant import BlockCodec, CastCodec, ErrorFeedback
 from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
@@ -222,15 +222,9 @@ class RailAverager(ChunkStore):
 
 
 class ReplicatedNodeAverager(RailAverager):
-    """Every rank of a node holds the same parameters (DDP): split each chunk by local rank.
+    """Every rank of a node holds the same parameters (DDP): split each chunk by local rank."""
 
-    ``hook``: the per-parameter state of the sync in the hook, whose shard a chunk starts
-    from when the checkpoint was saved with no optimizer attached.
-    """
-
-    def __init__(
-        self, comm: AveragerComm, registry: Registry, *, hook: HookAverager | None = None, **options: Any
-    ) -> None:
+    def __init__(self, comm: AveragerComm, registry: Registry, **options: Any) -> None:
         topo = comm.topology
         even = topo.even and comm.rail.across_nodes
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
@@ -243,7 +237,7 @@ class ReplicatedNodeAverager(RailAverager):
             )
         if even:
             self.split, self.index = comm.groups.node_size, comm.groups.local_rank
-        self.hook = hook
+        self._per_param: dict[str, list] = {}  # an older checkpoint's state, by position (load_per_param)
         self._scratch: torch.Tensor | None = None  # one gathered piece, reused
 
     @torch.no_grad()
@@ -306,16 +300,27 @@ class ReplicatedNodeAverager(RailAverager):
 
     def release(self) -> None:
         super().release()
-        self._scratch = None
+        self._scratch, self._per_param = None, {}
+
+    def load_per_param(self, saved: dict[str, list | None]) -> None:
+        """Anchor and momentum kept whole per registry position (a checkpoint of a hiersync whose sync
+        in the hook kept them so): each chunk takes its shard of them when it first appears."""
+        self._per_param = {key: v for key, v in saved.items() if key in ("anchor", "momentum") and v}
 
     def _bind_loaded(self, c: ChunkState) -> None:
         super()._bind_loaded(c)
-        if c.anchor is not None or c.momentum is not None or self.hook is None:
-            return
-        # the hook's per-parameter state (a checkpoint saved without an attached optimizer)
-        for key, store in (("anchor", self.hook.anchor), ("momentum", self.hook.momentum)):
-            if all(i in store for i in c.indices):
-                setattr(c, key, self._store(self._shard_of(c, [store[i] for i in c.indices]).float()))
+        for key, saved in self._per_param.items():
+            if getattr(c, key) is not None or not all(i < len(saved) and saved[i] is not None for i in c.indices):
+                continue
+            for i in c.indices:
+                if tuple(saved[i].shape) != tuple(self.params[i].shape):
+                    raise ValueError(
+                        f"hiersync state_dict {key}[{i}] has shape {tuple(saved[i].shape)} but the model's parameter "
+                        f"{i} (in DDP's initial bucket order) has shape {tuple(self.params[i].shape)}: the checkpoint "
+                        "is from a different model"
+                    )
+            shard = self._shard_of(c, [saved[i].to(self._device(c)) for i in c.indices])
+            setattr(c, key, self._store(shard))
 
 
 class ShardedNodeAverager(RailAverager):

@@ -7,11 +7,11 @@ only on the steps the :class:`~hiersync.schedule.Schedule` says:
   over the world with the two-level all-reduce, so training equals DDP's default.
 * *local* steps: buckets are averaged inside the node only.
 * *sync* steps (every ``period``-th step after warmup): additionally, *parameters* are
-  averaged across nodes (rail-sharded). Without an attached optimizer this runs in the hook,
-  overlapped with the rest of backward, and the averaged values are written before
-  ``optimizer.step()``. With :meth:`HierState.attach_optimizer` the
-  :class:`~hiersync.sync.CrossNodeSync` engine runs it right after ``optimizer.step()``;
-  with ``overlap=True`` it is launched there and applied one step later.
+  averaged across nodes (rail-sharded) by the :class:`~hiersync.sync.CrossNodeSync` engine.
+  Without an attached optimizer it is launched in the hook (at the step's first bucket),
+  overlapped with the rest of backward, and applied before ``optimizer.step()``. With
+  :meth:`HierState.attach_optimizer` it runs right after ``optimizer.step()``; with
+  ``overlap=True`` it is launched there and applied one step later.
 
 A bucket goes to DDP as soon as its own collectives are done, unless its step must decide
 first (a sync step in the hook, or ``nonfinite="raise"``); the
@@ -46,8 +46,9 @@ from .exact import ExactPolicy
 from .frontend import SyncState
 from .futures import HierSyncError, new_future, settle, then, wait, when_all, wrap
 from .guard import NonFiniteError, NonFiniteGuard, flag
-from .localsgd import HookAverager, HookLaunch, options_of
-from .vocab import COMPRESS_CODES, StepKind
+from .localsgd import options_of
+from .sync import Correction, CrossNodeSync
+from .vocab import StepKind
 
 __all__ = ["HierState", "hook", "HierSyncError"]
 
@@ -57,7 +58,6 @@ EXACT, SYNC = StepKind.EXACT, StepKind.SYNC
 @dataclass
 class _Bucket:
     reduced: torch.futures.Future  # (reduced gradient, finite flag or None)
-    params: HookLaunch | None  # a sync step in the hook: the parameter average of this bucket
     out: torch.futures.Future  # what DDP waits on
 
 
@@ -84,19 +84,14 @@ class HierState(SyncState):
     def __init__(self, period: int = 1, warmup_steps: int = 0, **kwargs: Any) -> None:
         super().__init__(period, warmup_steps, **kwargs)
         cfg, comm = self.config, self.comm
-        opts = options_of(cfg)
-        in_hook = opts if cfg.compress not in COMPRESS_CODES else dict(opts, codec=None)  # (refused there)
-        self.averager = self.hook_averager = HookAverager(comm, self.registry, **in_hook)
-        """The sync step's average inside the hook (no optimizer attached)."""
-        # After optimizer.step() (an attached optimizer): each rank keeps the state of its 1/L shard.
+        # In the hook or after optimizer.step(): each rank keeps the state of its 1/L shard.
         self._use(
-            ReplicatedNodeAverager(
-                comm, self.registry, hook=self.averager, state_device=cfg.state_device, **options_of(cfg)
-            ),
+            ReplicatedNodeAverager(comm, self.registry, state_device=cfg.state_device, **options_of(cfg)),
             plain=lambda level: ReplicatedNodeAverager(level, self.registry, state_device=cfg.state_device),
         )
         self.exact = ExactPolicy(comm, cfg.algorithm, cfg.profile, self.backend)
         self._buckets: list[_Bucket] = []
+        self._in_hook: list[Correction] | None = None  # a sync step in the hook: its averages in flight
         self._first_step = True  # first backward of this process: register every parameter
         self._device: torch.device | None = None
         self._skip_hook: Any = None  # process-wide optimizer pre-hook (no attached optimizer)
@@ -128,14 +123,10 @@ class HierState(SyncState):
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         kind = self._kind if self._kind is not None else self._begin_step()
         buf = bucket.buffer()
-        # bucket.parameters() builds a Python list per call: fetch it only when needed (the
-        # first step registers every parameter; later, only anchors and syncs in the hook).
+        # bucket.parameters() builds a Python list per call: only the first step registers them.
         in_hook = kind == SYNC and self._optimizer is None
-        # anchors: per bucket in the hook; with an attached optimizer the engine's (sharded) ones, at _end_step
-        capture = kind != EXACT and self._capture_pending and self.averager.needs_anchor and self._optimizer is None
-        params = bucket.parameters() if (self._first_step or capture or in_hook) else None
         if self._first_step:
-            assert params is not None
+            params = bucket.parameters()
             self._device = check_bucket(buf, params, self._device, self.config.compress)
             self.registry.register(params)
         else:
@@ -143,24 +134,19 @@ class HierState(SyncState):
         # record_function costs ~50 us per bucket even with no profiler running: only when profiling
         profiling = torch.autograd._profiler_enabled()
         with record_function(f"hiersync/hook_{kind}") if profiling else contextlib.nullcontext():
-            launched = None
-            if kind == EXACT:
-                fut = self.exact.reduce(buf)
-            else:
-                if capture:
-                    assert params is not None
-                    self.averager.capture_anchor(params)
-                fut = self.comm.intra_allreduce(buf)
-                if in_hook:
-                    assert params is not None
-                    launched = self.averager.launch(params)
+            fut = self.exact.reduce(buf) if kind == EXACT else self.comm.intra_allreduce(buf)
+            # The parameters do not change during backward: the sync in the hook launches the whole
+            # model at the first bucket (at the last on this process's first backward, which
+            # registers the parameters bucket by bucket).
+            if in_hook and self._in_hook is None and (bucket.is_last() or not self._first_step):
+                self._in_hook = self.engine.launch_now(self.step)
             out = new_future(buf.device)
             # Release the bucket to DDP as soon as it is reduced, unless its step must decide
             # first (a parameter write in the hook, or nonfinite="raise"); then flag it, off
             # DDP's critical path. The verdict is awaited before optimizer.step() (guard).
-            early = launched is None and self.guard.policy != "raise"
+            early = not in_hook and self.guard.policy != "raise"
             reduced = then(fut, _Reduced(out if early else None, self.guard.enabled), buf.device, self._label())
-            self._buckets.append(_Bucket(reduced, launched, out))
+            self._buckets.append(_Bucket(reduced, out))
         if bucket.is_last():
             self._finish_step(kind)
         # Futures failed through set_exception only raise in Python; re-raising inside a
@@ -177,11 +163,13 @@ class HierState(SyncState):
 
     def _finish_step(self, kind: StepKind) -> None:
         step, buckets, self._buckets = self.step, self._buckets, []
-        sources = [b.reduced for b in buckets] + [b.params.future for b in buckets if b.params is not None]
+        in_hook, self._in_hook = self._in_hook or [], None
+        sources = [b.reduced for b in buckets] + [c.future for c in in_hook if c.future is not None]
         self.guard.expect(step)  # optimizer.step() waits for this step's verdict (buckets may be released early)
         joined = when_all(sources, self._device or torch.device("cpu"), self._label())
         where = f"step {step} ({kind} step) on rank {self.rank}"
-        joined.add_done_callback(lambda j: _release(self.guard, self.averager, buckets, j, step, kind, where))
+        engine = self.engine
+        joined.add_done_callback(lambda j: _release(self.guard, engine, in_hook, buckets, j, step, kind, where))
         if self._first_step:
             self._first_step = False
             state_io.check_loaded_shapes(self)
@@ -195,7 +183,8 @@ class HierState(SyncState):
 
 def _release(
     guard: NonFiniteGuard,
-    averager: HookAverager,
+    engine: CrossNodeSync,
+    in_hook: list[Correction],
     buckets: list[_Bucket],
     joined: torch.futures.Future,
     step: int,
@@ -206,11 +195,10 @@ def _release(
     try:
         wait(joined)  # on CUDA: this thread's stream now waits on every bucket
         results = [wait(b.reduced) for b in buckets]
-        for b in buckets:
-            if b.params is not None:  # a sync step in the hook: write the averaged parameters
-                averager.write(b.params.indices, averager.complete(b.params))
+        engine.apply(in_hook)  # a sync step in the hook: its averages, before optimizer.step()
         guard.judge(step, kind, [f for _, f in results if f is not None])
     except Exception as e:
+        engine.discard(in_hook)
         err = e if isinstance(e, NonFiniteError) else wrap(e, where)
         for b in buckets:
             if not b.out.done():  # buckets released early already went to DDP

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from .topology import Topology
-from .vocab import COMPRESS_CODES
 
 if TYPE_CHECKING:
     from .frontend import SyncState
@@ -75,12 +74,6 @@ def check_usable(state: SyncState) -> None:
         raise RuntimeError(
             f"HierState(average_optimizer_state={cfg.average_optimizer_state!r}) needs the optimizer: call "
             "state.attach_optimizer(optimizer) before training (or hiersync.register(model, optimizer, ...))"
-        )
-    if cfg.compress in COMPRESS_CODES and state._optimizer is None:
-        raise RuntimeError(
-            f"HierState(compress={cfg.compress!r}) needs an optimizer: its error feedback is kept by the sync "
-            "after optimizer.step(); call state.attach_optimizer(optimizer) before training (or "
-            "hiersync.register(model, optimizer, ...)), or use compress='bf16' in the hook"
         )
     if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
         raise RuntimeError(

@@ -24,12 +24,13 @@ from .averagers import RailAverager
 from .collectives import HierComm
 from .config import HierConfig
 from .ddp_checks import check_attachable, check_constructible, check_optimizer_owns, unwrap_optimizer
+from .futures import wait
 from .guard import NonFiniteGuard
 from .levels import RACK, HierLevel, due
-from .localsgd import HookAverager, Registry
+from .localsgd import Registry, chunk_by_bytes
 from .optstate import with_optimizer_state
 from .stats import Stats
-from .sync import Averager, CrossNodeSync, mean_into
+from .sync import Averager, CrossNodeSync
 from .topology import ENV_RACK_IDS, ENV_RACK_KEY, Topology, check_layout, world_timeout
 from .transport import GroupRail, Window
 from .vocab import StepKind
@@ -76,8 +77,6 @@ class SyncState:
 
     FRONTEND = ""
     """The front-end's name in checkpoints (``"ddp"``, ``"fsdp"``)."""
-    hook_averager: HookAverager | None = None
-    """The sync step's average inside DDP's hook (no optimizer attached); None elsewhere."""
 
     def __init__(
         self,
@@ -274,8 +273,6 @@ class SyncState:
         self._handles = []
         for lv in self.levels:
             lv.engine.close()  # and the registry: DDP keeps a hook's state alive as long as the model
-        if self.hook_averager is not None:
-            self.hook_averager.release()
         self.groups.destroy()
         self._model = self._optimizer = None
 
@@ -310,7 +307,7 @@ class SyncState:
         self.stats.count_step(kind, step)
         self._kind = None
         if kind != EXACT and self._capture_pending:
-            if self._optimizer is not None and self.engine.averager.needs_anchor:
+            if self.engine.averager.needs_anchor:
                 self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
         if kind != EXACT and self._optimizer is not None:
@@ -352,3 +349,18 @@ def _check_racks(topology: Topology) -> None:
             f"rack_period needs nodes with equal numbers of ranks; this job's nodes hold "
             f"{[len(n) for n in topology.nodes]} ranks: drop rack_period"
         )
+
+
+@torch.no_grad()
+def mean_into(
+    average: Callable[[torch.Tensor], torch.futures.Future], tensors: list[torch.Tensor], chunk_bytes: int
+) -> None:
+    """Overwrite ``tensors`` with ``average`` of their values, fp32, chunked: ``comm.allreduce`` (the
+    world mean of replicated tensors) or ``comm.average_shard`` (the rail mean of own shards)."""
+    for idx in chunk_by_bytes([t.numel() * 4 for t in tensors], chunk_bytes):
+        chunk = [tensors[i] for i in idx]
+        flat = wait(average(torch.cat([t.detach().reshape(-1).float() for t in chunk])))
+        offset = 0
+        for t in chunk:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .averagers import ReplicatedNodeAverager
+
 if TYPE_CHECKING:
     from .frontend import SyncState
 
@@ -48,7 +50,7 @@ def save(state: SyncState) -> dict[str, Any]:
         "nodes": [list(n) for n in state.topology.nodes],
         "param_shapes": [tuple(p.shape) for p in state.registry.params],
         "model_positions": model_positions(state),
-        "hook": state.hook_averager.state() if state.hook_averager is not None else None,
+        "hook": None,  # older versions: the sync in the hook's state, whole per parameter
         **engine,
         "levels": lower,
         "stats": state.stats.as_dict(),
@@ -110,9 +112,10 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
         _params_in_saved_order(loaded, state._model)
     # unchecked facts wait for the model (synchronize) or the first backward
     state._loaded = None if state.registry.params else loaded
-    if state.hook_averager is not None:
-        state.hook_averager.load(state_dict["hook"] or {})
     state.engine.load(state_dict["averager"], state_dict["in_flight"])
+    averager = getattr(state.engine.averager, "base", state.engine.averager)
+    if state_dict["hook"] and isinstance(averager, ReplicatedNodeAverager):
+        averager.load_per_param(state_dict["hook"])  # an older version's sync in the hook: whole per parameter
     saved_levels = state_dict.get("levels") or {}
     for lv in state.levels[:-1]:
         got = saved_levels.get(lv.level.name)

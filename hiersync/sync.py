@@ -50,7 +50,7 @@ from .schedule import Schedule, fragment_layout
 from .topology import Topology
 from .transport import Marker, Transport, Window
 
-__all__ = ["Averager", "AveragerComm", "Launched", "Correction", "CrossNodeSync", "mean_into"]
+__all__ = ["Averager", "AveragerComm", "Launched", "Correction", "CrossNodeSync"]
 
 logger = logging.getLogger(__name__)
 
@@ -389,23 +389,21 @@ class CrossNodeSync:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
         self.averager.capture([idx for _, idx in self.chunks(range(self.schedule.fragments))])
 
-    @torch.no_grad()
+    def launch_now(self, step: int) -> list[Correction]:
+        """Launch step ``step``'s average of every fragment now, overlapped (the sync step inside
+        DDP's hook, before ``optimizer.step()``); :meth:`apply` adds them once they are in."""
+        before = len(self.in_flight)
+        with torch.no_grad(), record_function("hiersync/sync_in_hook"):
+            self._sync(Marker("sync", step, tuple(range(self.schedule.fragments)), True, step + 1))
+        return self.in_flight[before:]
+
     def apply_corrections(self, steps_done: int | None = None, fragment: int | None = None) -> None:
         """Wait for and add the corrections due at ``steps_done`` (None: all of them;
         ``fragment``: those of that fragment) to the parameters, in launch order.
 
         Checked first, all of them: a correction that does not fit the registered
-        parameters raises ``ValueError`` and nothing is applied or dropped. Their windows
-        are decided first: a dropped window's corrections are discarded (local progress kept).
+        parameters raises ``ValueError`` and nothing is applied or dropped.
         """
-        due = self._due_corrections(steps_done, fragment)
-        for c in due:
-            if c.window is not None:
-                self.transport.decide(c.window)
-        self._apply(due)
-
-    def _due_corrections(self, steps_done: int | None, fragment: int | None) -> list[Correction]:
-        """The corrections in flight due at ``steps_done`` (of ``fragment``), each checked to fit."""
         due = [
             c
             for c in self.in_flight
@@ -413,13 +411,16 @@ class CrossNodeSync:
         ]
         for c in due:
             self._check_fits(c)
-        return due
+        self.apply(due)
 
-    def _apply(self, due: list[Correction]) -> None:
-        """Take ``due`` out of flight and add the committed ones to the parameters, in launch order."""
-        if not due:
-            return
-        self.in_flight = [c for c in self.in_flight if all(c is not d for d in due)]
+    @torch.no_grad()
+    def apply(self, due: Sequence[Correction]) -> None:
+        """Take ``due`` out of flight and add them to the parameters, in launch order. Their windows
+        are decided first: a dropped window's corrections are discarded (local progress kept)."""
+        for c in due:
+            if c.window is not None:
+                self.transport.decide(c.window)
+        self.discard(due)
         avg = self.averager
         for c in due:
             if not c.committed:
@@ -429,6 +430,10 @@ class CrossNodeSync:
             else:
                 assert c.shard is not None
                 avg.write(c.indices, c.shard, add=True)
+
+    def discard(self, corrections: Sequence[Correction]) -> None:
+        """Take ``corrections`` out of flight without applying them."""
+        self.in_flight = [c for c in self.in_flight if all(c is not d for d in corrections)]
 
     def _check_fits(self, c: Correction) -> None:
         n = len(self.averager.params)
@@ -483,18 +488,3 @@ def _launch_due(ref: weakref.ref) -> None:
     engine = ref()
     if engine is not None:
         engine.launch_due(" (launched before the next forward)")
-
-
-@torch.no_grad()
-def mean_into(
-    average: Callable[[torch.Tensor], torch.futures.Future], tensors: list[torch.Tensor], chunk_bytes: int
-) -> None:
-    """Overwrite ``tensors`` with ``average`` of their values, fp32, chunked: ``comm.allreduce`` (the
-    world mean of replicated tensors) or ``comm.average_shard`` (the rail mean of own shards)."""
-    for idx in chunk_by_bytes([t.numel() * 4 for t in tensors], chunk_bytes):
-        chunk = [tensors[i] for i in idx]
-        flat = wait(average(torch.cat([t.detach().reshape(-1).float() for t in chunk])))
-        offset = 0
-        for t in chunk:
-            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()

@@ -142,20 +142,20 @@ SITES = {
     "release_reads_buckets_unwaited": ("hiersync.ddp", "_release", PARITY),  # _finish_step
     "later_leg_launched_unwaited": ("hiersync.futures", "go", PARITY),  # Sequencer
     "broadcast_legs_joined_unwaited": ("hiersync.futures", "finish", PARITY),  # collect_all
-    # In the hook the step's join waits on the average before complete() reads it;
-    # after optimizer.step() (blocking) _complete() is the only reader. (With overlap it runs
-    # inside the gather's Sequencer launch, which has waited on the same future already.)
+    # After optimizer.step() (blocking) _complete() is the only reader. (With overlap, and in
+    # the hook, it runs inside the gather's Sequencer launch, which has waited on the same future;
+    # in the hook _release's wait on the step's join also covers what engine.apply reads.)
     "averaged_params_written_unwaited": ("hiersync.averagers", "_complete", ATTACHED),
     "gathered_shards_written_unwaited": ("hiersync.averagers", "write", ATTACHED),  # blocking: gather at write
-    "gathered_correction_added_unwaited": ("hiersync.sync", "_apply", OVERLAP),  # gathered early
+    "gathered_correction_added_unwaited": ("hiersync.sync", "apply", OVERLAP),  # gathered early
     "ddp_future_set_unwaited": ("hiersync.futures", "forward", PARITY),  # DDP's futures
     "reduced_bucket_read_unwaited": ("hiersync.ddp", "__call__", PARITY),  # _Reduced: flag, early release
     "flat_leg_read_unwaited": ("hiersync.collectives", "<lambda>", LOCAL_SGD),
     "after_reads_unwaited": ("hiersync.futures", "cb", PARITY),
-    "synchronize_reads_unwaited": ("hiersync.sync", "mean_into", SYNCHRONIZE),
+    "synchronize_reads_unwaited": ("hiersync.frontend", "mean_into", SYNCHRONIZE),
     "fsdp_gradient_shard_read_unwaited": ("hiersync.fsdp", "_on_reduced", FSDP_EXACT),  # exact step, in FSDP's hook
-    "fsdp_correction_added_unwaited": ("hiersync.sync", "_apply", FSDP_OVERLAP),
-    "fsdp_synchronize_reads_unwaited": ("hiersync.sync", "mean_into", FSDP_EXACT),
+    "fsdp_correction_added_unwaited": ("hiersync.sync", "apply", FSDP_OVERLAP),
+    "fsdp_synchronize_reads_unwaited": ("hiersync.frontend", "mean_into", FSDP_EXACT),
 }
 CAUGHT = ("not close", "nan", "PoisonedWrite", "ranks differ", "non-finite", "differs from rank")
 

@@ -6,8 +6,7 @@ outer Nesterov step, optimizer-state averaging). Each cell runs 6 steps of AdamW
 model and a ``synchronize()``, or is refused with the error DESIGN.md names for it. Checked:
 
 * the refused cells are exactly those: the hook alone without an optimizer on FSDP2 and
-  with a Manager (both sync after ``optimizer.step()``), int8/int4 in the hook (their error
-  feedback is kept by the sync after ``optimizer.step()``);
+  with a Manager (both sync after ``optimizer.step()``);
 * torchft's rail, nothing failing, trains every cell exactly as the process-group rail;
 * FSDP2 trains every cell as DDP does (fp32/bf16 to 1e-5; int8/int4 within the codes'
   steps: each front-end cuts its own blocks);
@@ -33,7 +32,6 @@ from hiersync.tools.ft_nodes import Lighthouse, Nodes
 REFUSED = {  # (front-end, transport, codec, schedule) -> what the error says
     **{("fsdp", t, c, "hook"): "needs the optimizer" for t in ("group", "torchft") for c in mr.CODECS},
     **{("ddp", "torchft", c, "hook"): "needs the optimizer" for c in mr.CODECS},
-    **{("ddp", "group", c, "hook"): "needs an optimizer" for c in ("int8", "int4")},
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
 

@@ -66,11 +66,10 @@ def test_sync_in_the_hook_writes_nothing_after_a_failed_step(world1):
     state = HierState(period=2)
     param = torch.nn.Parameter(torch.full((4,), 3.0))
     state.comm.intra_allreduce = lambda buf: completed(buf)
-    state.comm.average_across_nodes = lambda flat: completed(flat)
     wait(hiersync.hook(state, _bucket(torch.ones(4), True, [param])))  # step 0: local
     state.comm.intra_allreduce = lambda buf: failed(RuntimeError("peer died"))
     averaging = torch.futures.Future()
-    state.comm.average_across_nodes = lambda flat: averaging
+    state.engine.averager.transfer = lambda flat: averaging  # the engine's cross-node leg
     out = hiersync.hook(state, _bucket(torch.ones(4), True, [param]))  # step 1: sync
     assert not out.done()
     averaging.set_result(torch.zeros(4))

@@ -138,7 +138,7 @@ def step_time(
     nodes: the k -> infinity bound). Buckets of ``bucket_bytes`` become ready uniformly
     during ``backward_s``, in order; the collectives of one process group run one at a
     time, first in first out. ``placement`` of the period-k average: ``"hook"`` (the
-    default: bucket by bucket inside the sync step's backward), ``"optimizer"`` (after
+    default: launched with the sync step's first bucket, overlapped with backward), ``"optimizer"`` (after
     ``optimizer.step()``, fully exposed) or ``"overlap"`` (hidden behind the next step's
     ``compute_s``). ``compute_s`` defaults to ``backward_s``. ``algorithm`` (``"ring"``,
     ``"tree"``, ``"auto"``: what NCCL's tuner runs, gloo's ring) is the flat all-reduce and
@@ -274,7 +274,8 @@ def _run_buckets(
     param_bytes: int = 4,
 ) -> tuple[float, float]:
     """(busy, exposed) seconds of one step's bucket chains of ``kind``: ``"flat"``, ``"intra"``,
-    ``"two_level"`` or ``"sync"`` (intra all-reduce then the bucket's parameter average), on
+    ``"two_level"`` or ``"sync"`` (the intra all-reduces, and the parameter average of chunks of
+    the buckets' sizes, every one launched when the first bucket is ready: the sync in the hook), on
     ``profile``'s shape. Every all-reduce is priced by :func:`.predict.predict_allreduce`.
     Cached: the planner asks for the same local step under every streaming variant."""
     sizes = bucket_sizes(g, b)
@@ -294,15 +295,18 @@ def _run_buckets(
             elif kind == "two_level":
                 rs, ar, ag = predict_two_level(n, profile, intra_algo, algorithm=algo)
                 cache[key] = [("intra", rs), ("rail", ar), ("intra", ag)]
-            else:  # intra all-reduce of the gradient, then the bucket's parameter average
+            else:  # a chunk's parameter average: its rail leg, then the node's gather
                 sent = n if quant else n * ratio  # a quantized average prices its own bytes
                 _, ar, ag = predict_two_level(
                     sent, profile, intra_algo, reduce=False, algorithm=algo, compress=quant, param_bytes=param_bytes
                 )
-                cache[key] = [*chain("intra", n), ("rail", ar), ("intra", ag)]
+                cache[key] = [("rail", ar), ("intra", ag)]
         return cache[key]
 
-    chains = [chain(kind, s) for s in sizes]
+    chains = [chain("intra" if kind == "sync" else kind, s) for s in sizes]
+    if kind == "sync":  # the parameters do not change in backward: all launched with the first bucket
+        chains += [chain("param", s) for s in sizes]
+        ready += [ready[0]] * len(sizes)
     busy = sum(d for c in chains for _, d in c)
     return busy, max(0.0, simulate(ready, chains) - backward)
 
