@@ -25,10 +25,10 @@ from hiersync.tools import (
     bench,
     bench_claims,
     bench_compute,
+    bench_noise,
     bench_probes,
     bench_rows,
     bench_spec,
-    bench_steps,
     bench_table,
     bench_worker,
     cli,
@@ -428,7 +428,7 @@ def test_quantile_claim_bootstrap_is_seeded():
     assert bench_noise.quantile_ratio_interval(stream, 4, blocking[:4], 4, 99) is None  # one window
 
 
-def test_rows_of_a_near_even_claim_are_timed_longer():
+def test_rows_of_a_near_even_claim_run_in_interleaved_rounds():
     # streaming vs its floor (1.05x) needs steady means; the k=4 rows whose means a claim compares need windows
     # (post-local SGD's, FSDP2 streaming's), and so do the rows the cost model's check judges; DDP and k=1 rows
     # (4 batches of a step in 4 steps), p99, bytes and torchft's fastest add none
@@ -446,11 +446,35 @@ def test_rows_of_a_near_even_claim_are_timed_longer():
     assert bench_claims.steady_rows(mine, judged=frozenset()) == {
         ("x", "cpu"), ("y", "cpu"), ("x", "accel"), ("y", "accel"), ("hiersync_p8", "cpu"),
     }  # fmt: skip
-    config = {"min_seconds": 4.0}
-    stream, ddp = bench_spec.parse_schedule("hiersync_p4_stream"), bench_spec.parse_schedule("ddp")
-    assert bench_steps._min_seconds(config, stream, "accel") == 4.0 * bench_spec.STEADY_FACTOR
-    assert bench_steps._min_seconds(config, stream, "cpu") == 4.0
-    assert bench_steps._min_seconds(config, ddp, "accel") == 4.0
+    schedules = ["ddp", "intra_only", "hiersync_p4_stream", "hiersync_p1"]
+    assert bench_spec.STEADY_ROUNDS == 3
+    assert bench_claims.rounds(schedules, "accel") == [*schedules, *["intra_only", "hiersync_p4_stream"] * 2]
+    assert bench_claims.rounds(schedules, "cpu") == schedules
+
+
+def test_rounds_hold_the_drift_between_rows():
+    """Two rows timed in 3 interleaved rounds: the ratio's interval comes from the rounds' paired
+    ratios, so a drift shared by both rows of a round cancels and one the rows do not share widens it."""
+    steady = bench_noise.paired_interval([1.0, 1.2, 1.1], [0.98, 1.18, 1.08])  # the load moves both alike
+    assert 1.01 < steady.low < steady.estimate < steady.high < 1.025
+    drifting = bench_noise.paired_interval([1.0, 1.2, 1.1], [0.98, 1.0, 1.08])  # one round's pair apart
+    assert drifting.low < 1.0 and drifting.high > 1.1
+    assert bench_noise.verdict(steady, 1.05) == "pass" and bench_noise.verdict(drifting, 1.05) == "inconclusive"
+    diff = bench_noise.paired_interval([0.6, 0.7, 0.65], [0.5, 0.6, 0.55], ratio=False)
+    assert abs(diff.estimate - 0.1) < 1e-12 and diff.high - diff.low < 1e-9
+    assert bench_noise.paired_interval([1.0, 1.1], [1.0]) is None  # not paired
+    assert bench_noise.runs_of({"step_s_runs": "0.5;0.6;0.55"}) == [0.5, 0.6, 0.55]
+    assert bench_noise.runs_of({"step_s_runs": "0.5"}) == []  # one run: its steps give the noise
+    # a claim between two rows of 3 rounds reads the rounds (the printed ratio: the medians')
+    base = dict(model="mlp", bucket_mb=25.0, compute="accel", unsupported=None, kind="hiersync")
+    base.update(dict.fromkeys(("step_p99_s", "inter_mb_step_mean", "inter_mb_step_peak", "whole_sync_mb")))
+    rows = [
+        {**base, "schedule": "hiersync_p4_stream", "period": 4, "step_s": 1.1, "step_s_runs": "1.0;1.2;1.1"},
+        {**base, "schedule": "intra_only", "period": None, "step_s": 1.08, "step_s_runs": "0.98;1.18;1.08"},
+    ]
+    (floor,) = [c for c in bench_claims.check_claims(rows) if c["reference_name"] == "intra_only mean"]
+    assert floor["interval_from"] == "rounds" and floor["verdict"] == "pass"
+    assert "from the rounds" in bench_claims.format_verdict(floor)
 
 
 def _peer_rows():

@@ -81,7 +81,7 @@ from pathlib import Path
 
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
-from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios
+from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios, rounds
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
 from .bench_noise import loaded
 from .bench_progress import ProgressFile, environment
@@ -142,10 +142,12 @@ def run_bench(
 
     specs = [parse_schedule(s) for s in config["schedules"]]
     computes = config.get("compute", ["cpu"])
-    pairs = sum(1 for m in config["models"] for c in computes if c == "cpu" or m == "mlp")
+    warmup, steps = int(config["warmup"]), int(config["steps"])
+    per_compute = {
+        c: sum(run_steps(parse_schedule(s), warmup, steps) for s in rounds(config["schedules"], c)) for c in computes
+    }
     total = (
-        sum(run_steps(s, int(config["warmup"]), int(config["steps"])) for s in specs)
-        * pairs
+        sum(per_compute[c] for m in config["models"] for c in computes if c == "cpu" or m == "mlp")
         * len(config["buckets_mb"])
         * int(config.get("repeat", 1))
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import bench_noise
 from .bench_rows import row_key
-from .bench_spec import NEVER, parse_schedule
+from .bench_spec import NEVER, STEADY_ROUNDS, parse_schedule
 
 __all__ = [
     "Claim",
@@ -28,6 +28,7 @@ __all__ = [
     "peer_ratios",
     "format_peer_ratios",
     "steady_rows",
+    "rounds",
 ]
 
 
@@ -131,6 +132,13 @@ def steady_rows(
     return frozenset(out)
 
 
+def rounds(schedules: Sequence[str], compute: str) -> list[str]:
+    """The schedules one sweep of ``compute`` runs, in order: every one, then the rows whose noise a
+    claim needs (:func:`steady_rows`) ``STEADY_ROUNDS - 1`` more times, round by round."""
+    steady = [s for s in schedules if (s, compute) in steady_rows()]
+    return list(schedules) + steady * (STEADY_ROUNDS - 1)
+
+
 def _reference(by: dict, key: tuple, claim: Claim, row: dict) -> tuple[float | None, str, dict | None] | None:
     """(the reference's value, its name, its row where it is one row of the run), or None where it did not run."""
     model, bucket, compute = key
@@ -173,6 +181,9 @@ def _interval(claim: Claim, row: dict, ref: dict | None, ratio: float) -> tuple[
         return None, "noise unknown"
     steps, ref_steps = bench_noise.steps_of(row), bench_noise.steps_of(ref)
     k, ref_k = row.get("period") or 1, ref.get("period") or 1
+    runs, ref_runs = bench_noise.runs_of(row), bench_noise.runs_of(ref)
+    if claim.statistic == "mean" and runs and len(runs) == len(ref_runs):
+        return bench_noise.paired_interval(runs, ref_runs, estimate=ratio), "rounds"
     if claim.statistic == "mean":
         got = bench_noise.ratio_interval(steps, k, ref_steps, ref_k, estimate=ratio)
     else:
@@ -266,7 +277,7 @@ def format_verdict(t: dict) -> str:
         ratio += f" [{t['low']:.2f}, {t['high']:.2f}]"
     word = {"pass": "PASS", "fail": "FAIL"}.get(t["verdict"], t["verdict"])
     if t.get("noise") is not None:
-        why = f"noise +-{t['noise']:.0%}"
+        why = f"noise +-{t['noise']:.0%}" + (", from the rounds" if t.get("interval_from") == "rounds" else "")
     else:
         why = t.get("interval_from") or "noise unknown"
     if t.get("loaded"):

@@ -82,8 +82,12 @@ def resolve_profile(spec: str | None, testbed: dict[str, Any]) -> tuple[cm.Profi
 
 
 def _exposed_interval(row: dict, reference: dict, estimate: float) -> bench_noise.Interval | None:
-    """The interval of the row's exposed time (its mean step minus the reference's), from both rows'
-    per-step times (None: a row of under 2 windows)."""
+    """The interval of the row's exposed time (its mean step minus the reference's): from both rows'
+    runs in interleaved rounds where they have them, else from their per-step times (None: a row of
+    under 2 windows)."""
+    runs, ref_runs = bench_noise.runs_of(row), bench_noise.runs_of(reference)
+    if runs and len(runs) == len(ref_runs):
+        return bench_noise.paired_interval(runs, ref_runs, ratio=False, estimate=estimate)
     return bench_noise.difference_interval(
         bench_noise.steps_of(row),
         row.get("period") or 1,

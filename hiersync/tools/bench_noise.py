@@ -34,6 +34,8 @@ __all__ = [
     "CONFIDENCE",
     "Interval",
     "steps_of",
+    "runs_of",
+    "paired_interval",
     "t_quantile",
     "batch_length",
     "mean_and_se",
@@ -73,6 +75,13 @@ def steps_of(row: dict) -> list[float]:
     """A row's per-step durations in seconds (``step_durations_s``, ";"-joined; empty when it has none)."""
     text = row.get("step_durations_s") or ""
     return [float(x) for x in str(text).split(";") if x]
+
+
+def runs_of(row: dict) -> list[float]:
+    """A row's mean step in each of its runs, in the order they ran (``step_s_runs``; one run: empty)."""
+    text = row.get("step_s_runs") or ""
+    runs = [float(x) for x in str(text).split(";") if x]
+    return runs if len(runs) > 1 else []
 
 
 def t_quantile(p: float, df: float) -> float:
@@ -173,6 +182,35 @@ def difference_interval(
         return None
     h = _half_width([(a[1] ** 2, a[2]), (b[1] ** 2, b[2])], confidence)
     centre = a[0] - b[0] if estimate is None else estimate
+    return Interval(centre, centre - h, centre + h)
+
+
+def paired_interval(
+    runs: Sequence[float],
+    ref_runs: Sequence[float],
+    confidence: float = CONFIDENCE,
+    *,
+    ratio: bool = True,
+    estimate: float | None = None,
+) -> Interval | None:
+    """The ``confidence`` interval of two rows' ratio (``ratio``) or difference from runs timed in
+    interleaved rounds: run ``i`` of each row in round ``i`` (:data:`.bench_spec.STEADY_ROUNDS`).
+
+    Each round gives one sample, ``log(run / ref_run)`` or ``run - ref_run``, taken under that
+    round's load, so the rounds' spread holds the drift between rows that one row's steps cannot
+    show (and each run's own step noise). Student t with rounds - 1 degrees of freedom. None where
+    the rows do not have the same number of runs, at least 2.
+    """
+    n = len(runs)
+    if n < 2 or len(ref_runs) != n or (ratio and min(*runs, *ref_runs) <= 0):
+        return None
+    d = [math.log(a / b) if ratio else a - b for a, b in zip(runs, ref_runs)]
+    h = t_quantile(0.5 + confidence / 2, n - 1) * statistics.stdev(d) / math.sqrt(n)
+    mean = statistics.fmean(d)
+    if ratio:
+        centre = math.exp(mean) if estimate is None else estimate
+        return Interval(centre, centre * math.exp(-h), centre * math.exp(h))
+    centre = mean if estimate is None else estimate
     return Interval(centre, centre - h, centre + h)
 
 

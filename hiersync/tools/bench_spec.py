@@ -326,10 +326,11 @@ BURN_STEPS = 1
 BURN_SECONDS = 2.0
 """... and at least this long (at the attributed steps' pace): the first free-running seconds are noisy."""
 
-STEADY_FACTOR = 3.0
+STEADY_ROUNDS = 3
 """The rows whose noise a claim needs (``bench_claims.steady_rows``: two nearly equal means, a
-period-k row's windows, the cost model's rows) are timed this many times ``--min-seconds``:
-24 steps instead of 8 at k=4 by default."""
+period-k row's windows, the cost model's rows) run this many times, in interleaved rounds
+(A B ... A B ...), each ``--min-seconds`` long: two rows' ratio then has one sample per round,
+each round's pair timed under that round's load (:func:`.bench_noise.paired_interval`)."""
 
 
 def attributed_steps(spec: ScheduleSpec) -> int:

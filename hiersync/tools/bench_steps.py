@@ -18,13 +18,11 @@ from typing import Any
 
 from hiersync.vocab import Level
 
-from .bench_claims import steady_rows
 from .bench_compute import SLEPT, build_model
 from .bench_probes import LinkCounter, PhaseProbe
 from .bench_spec import (
     BURN_SECONDS,
     BURN_STEPS,
-    STEADY_FACTOR,
     ScheduleSpec,
     attributed_steps,
     run_steps,
@@ -128,13 +126,6 @@ def _timed_count(spec: ScheduleSpec, steps: int, attributed: list[dict[str, floa
     """
     window = timed_steps(spec, 1)
     return _rank0_count(max(steps, window * math.ceil(min_seconds / _pace(attributed) / window)))
-
-
-def _min_seconds(config: dict, spec: ScheduleSpec, compute: str) -> float:
-    """How long the row's timed steps last at least: ``--min-seconds``, ``STEADY_FACTOR`` times
-    that for the rows whose noise a claim needs (:func:`.bench_claims.steady_rows`)."""
-    seconds = float(config.get("min_seconds", 0.0))
-    return seconds * STEADY_FACTOR if (spec.name, compute) in steady_rows() else seconds
 
 
 def _burn_count(attributed: list[dict[str, float]], seconds: float) -> int:
@@ -241,7 +232,8 @@ def train(
     tx_begin = link.read() if link is not None else 0
     stats0 = state.stats.as_dict() if state is not None else None
     attributed = [step(True) for _ in range(attributed_steps(spec))]
-    steps = _timed_count(spec, steps, attributed, _min_seconds(config, spec, compute))
+    # every run of a row at least --min-seconds (a row a claim's noise needs runs once per round)
+    steps = _timed_count(spec, steps, attributed, float(config.get("min_seconds", 0.0)))
     method.drain()
     dist.barrier()
     tx_attributed = link.read() - tx_begin if link is not None else 0

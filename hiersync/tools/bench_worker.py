@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import bench_fsdp
+from .bench_claims import rounds
 from .bench_probes import (
     LinkCounter,
     MemoryProbe,
@@ -96,14 +97,15 @@ def worker(config: dict) -> dict:
     # a sync launch's copies: one shard of a bucket-sized fragment per rank
     out["copy_probe"] = copy_probe(int(max(config["buckets_mb"]) * 2**20) // max(len(n) for n in topo.nodes))
     # Repeats go round the whole sweep, so a burst of load on a shared machine hits
-    # one run of every schedule rather than every run of one schedule.
+    # one run of every schedule rather than every run of one schedule; the rows a claim's
+    # noise needs then go round again, alone, STEADY_ROUNDS - 1 times (rounds A B .. A B ..).
     for rep in range(int(config.get("repeat", 1))):
         for model_name in config["models"]:
             for bucket_mb in config["buckets_mb"]:
                 for compute in config.get("compute", ["cpu"]):
                     if compute == "accel" and model_name != "mlp":
                         continue  # the accel model is an MLP (the command says so)
-                    for schedule in config["schedules"]:
+                    for schedule in rounds(config["schedules"], compute):
                         spec = parse_schedule(schedule)
                         where = Where(intra_group, topo.nodes, progress, link)
                         run_one = bench_fsdp.run_one if bench_fsdp.is_fsdp(spec) else _run_one
