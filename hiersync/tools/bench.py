@@ -349,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         default=1,
-        help="go round the whole sweep this many times and report medians (noisy machines)",
+        help="go round the whole sweep this many times (noisy machines): the runs' mean step, medians of the rest",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(

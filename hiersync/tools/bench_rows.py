@@ -112,8 +112,10 @@ def summarize(rank_results: Sequence[dict]) -> list[dict]:
     most any rank's peak exceeds its peak in ``compute_only``'s run of that pass (else DDP's;
     ``extra_over`` says which; the same for every compute model: it does not depend on it). FSDP2
     rows: ``extra_mb`` over FSDP2 HSDP's (:data:`FSDP_MEMORY_REFERENCES`), ``shard_mb`` the rank's own
-    fp32 parameter shard, ``extra_per_shard`` their ratio, ``vs_hsdp`` the step against HSDP's. With
-    repeats, every number is the median over the repeats (``step_s_runs`` lists them). A
+    fp32 parameter shard, ``extra_per_shard`` their ratio, ``vs_hsdp`` the step against HSDP's. A row
+    run several times (``--repeat``, a claim's rounds) has the mean of its runs' mean steps as
+    ``step_s`` (``step_s_runs`` lists them, in the order they ran) and every other number the
+    median over its runs. A
     schedule the installed hiersync cannot build has ``unsupported`` set and no numbers.
     """
     first = rank_results[0]
@@ -249,7 +251,7 @@ def _merge_repeats(rows: list[dict]) -> list[dict]:
                 continue
             vals = [r[k] for r in rs if isinstance(r[k], float)]
             if vals:
-                row[k] = statistics.median(vals)
+                row[k] = statistics.fmean(vals) if k == "step_s" else statistics.median(vals)
         row["repeats"] = len(rs)
         row["step_s_runs"] = ";".join(f"{r['step_s']:.4f}" for r in rs if r["step_s"] is not None)
         row["step_durations_s"] = ";".join(r["step_durations_s"] for r in rs if r.get("step_durations_s"))
