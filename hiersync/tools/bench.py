@@ -92,6 +92,7 @@ from .bench_spec import (
     FULL_PERIODS,
     GRAMMAR,
     PEERS,
+    STEADY_ROUNDS,
     TORCHFT_GRAMMAR,
     ScheduleSpec,
     default_schedules,
@@ -341,9 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-seconds",
         type=float,
         default=4.0,
-        help="time whole windows of a row's steps for at least this long (fast rows: a steady mean); "
-        "3x as long for the rows whose means a claim compares with a bound within 6%% of 1x, the k-step rows "
-        "whose means a claim compares, and those the cost model's check judges (their noise is known from windows)",
+        help="time whole windows of a row's steps for at least this long (fast rows: a steady mean); the rows "
+        "whose means a claim compares with a bound within 6%% of 1x, the k-step rows whose means a claim compares "
+        "and those the cost model's check judges run this long in each of 3 interleaved rounds",
     )
     g.add_argument(
         "--repeat",
@@ -471,8 +472,9 @@ def run(args: argparse.Namespace) -> int:
     if claims:
         print(
             "hiersync's claims on this testbed, checked in this run (reports, not assertions): each ratio with its "
-            "95% interval from this run's per-step times;\nPASS or FAIL only where the interval is clear of the "
-            "bound, inconclusive where it holds it (more --min-seconds narrows it)"
+            f"95% interval from this run's per-step times, or from its {STEADY_ROUNDS} rounds where both rows ran in "
+            "them;\nPASS or "
+            "FAIL only where the interval is clear of the bound, inconclusive where it holds it (--repeat narrows it)"
         )
         if loaded(env):  # the rule the claims apply, said once above them
             print(

@@ -55,7 +55,7 @@ CLAIMS: tuple[Claim, ...] = (
     # Accelerator-like compute: a GPU host's CPU is idle while the device computes, so transfers
     # can hide behind compute; with real CPU compute the 2 cores of this box run both. Each row's
     # mean is over at least --min-seconds of whole windows (8 steps of the k=4 rows by default);
-    # the rows steady_rows names are timed STEADY_FACTOR times as long.
+    # the rows steady_rows names run in STEADY_ROUNDS interleaved rounds (bench_claims.rounds).
     Claim("streaming k=4 step <= 0.62x PyTorch post-local SGD k=4", ("accel",), "hiersync_p4_stream", "mean",
           "postlocal_k4", "mean", 0.62),
     Claim("streaming k=4 step <= 0.45x DDP", ("accel",), "hiersync_p4_stream", "mean", "ddp", "mean", 0.45),
@@ -112,11 +112,11 @@ def _windowed(name: str) -> bool:
 def steady_rows(
     claims: Sequence[Claim] = CLAIMS, near: float = 0.06, judged: frozenset[tuple[str, str]] = MODEL_ROWS
 ) -> frozenset[tuple[str, str]]:
-    """(schedule, compute model) of the rows timed ``STEADY_FACTOR`` times as long: the rows whose mean
-    step a claim compares with a bound within ``near`` of 1x (two nearly equal means, which must each
-    be steady to about 1%), the rows of period k > 1 whose mean a claim compares (in --min-seconds
-    they run 2 windows, and the noise of a mean is known from its windows: 6 give a useful
-    interval), and ``judged``. References that are not one schedule (torchft's fastest row) are left out.
+    """(schedule, compute model) of the rows that run in ``STEADY_ROUNDS`` interleaved rounds
+    (:func:`rounds`): the rows whose mean step a claim compares with a bound within ``near`` of 1x
+    (two nearly equal means), the rows of period k > 1 whose mean a claim compares (in --min-seconds
+    they run 2 windows: too few to know a mean's noise), and ``judged``. References that are not one
+    schedule (torchft's fastest row) are left out.
     """
     out = set(judged)
     for c in claims:

@@ -196,8 +196,8 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
             f"{e['measured_s'] * 1e3:9.0f} {noise:>6s} {err:>7s}"
         )
     lines.append(
-        "95% ms: the half width of the 95% interval of the bench's exposed ms, from the batch means of both rows' "
-        "per-step times ('-': a row of under 2 windows)"
+        "95% ms: the half width of the 95% interval of the bench's exposed ms, from both rows' rounds where they ran "
+        "in rounds, else from the batch means of their per-step times ('-': a row of under 2 windows)"
     )
     if any(e["compute"] == "cpu" for e in entries):
         lines.append(
