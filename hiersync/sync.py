@@ -417,6 +417,8 @@ class CrossNodeSync:
     def apply(self, due: Sequence[Correction]) -> None:
         """Take ``due`` out of flight and add them to the parameters, in launch order. Their windows
         are decided first: a dropped window's corrections are discarded (local progress kept)."""
+        if not due:  # most steps (and every step's end in DDP's hook): nothing to take out of flight
+            return
         for c in due:
             if c.window is not None:
                 self.transport.decide(c.window)

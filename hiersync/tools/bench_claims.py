@@ -135,7 +135,8 @@ def steady_rows(
 def rounds(schedules: Sequence[str], compute: str) -> list[str]:
     """The schedules one sweep of ``compute`` runs, in order: every one, then the rows whose noise a
     claim needs (:func:`steady_rows`) ``STEADY_ROUNDS - 1`` more times, round by round."""
-    steady = [s for s in schedules if (s, compute) in steady_rows()]
+    needed = steady_rows()
+    steady = [s for s in schedules if (s, compute) in needed]
     return list(schedules) + steady * (STEADY_ROUNDS - 1)
 
 

@@ -205,7 +205,7 @@ def paired_interval(
     if n < 2 or len(ref_runs) != n or (ratio and min(*runs, *ref_runs) <= 0):
         return None
     d = [math.log(a / b) if ratio else a - b for a, b in zip(runs, ref_runs)]
-    h = t_quantile(0.5 + confidence / 2, n - 1) * statistics.stdev(d) / math.sqrt(n)
+    h = _half_width([(statistics.variance(d) / n, n - 1)], confidence)
     mean = statistics.fmean(d)
     if ratio:
         centre = math.exp(mean) if estimate is None else estimate
