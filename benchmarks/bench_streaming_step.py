@@ -68,7 +68,9 @@ def _engine() -> tuple[CrossNodeSync, list[torch.Tensor]]:
     registry.register(params)
     averager = ReplicatedNodeAverager(_Node(), registry)
     schedule = Schedule(period=4, fragments=4)
-    engine = CrossNodeSync(averager, schedule, overlap=1, chunk_bytes=25 << 20, transport=averager.comm.rail)
+    engine = CrossNodeSync(
+        averager, averager.registry, schedule, overlap=1, chunk_bytes=25 << 20, transport=averager.comm.rail
+    )
     return engine, params
 
 

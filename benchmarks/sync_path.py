@@ -1,16 +1,17 @@
 """The path of one blocking period-k sync through hiersync's modules, traced.
 
-Two emulated nodes of two ranks (gloo, loopback), DDP, ``hiersync.register(ddp, opt,
-period=2)``: the second sync step's ``optimizer.step()`` is traced (the first also builds the
-fragment layout) with ``sys.setprofile`` on rank
-0, and every call of a hiersync function is recorded. Printed: the modules the sync enters
+Two emulated nodes of two ranks (gloo, loopback), DDP (or FSDP2 inside the node),
+``hiersync.register(model, opt, period=2)``: the second sync step's ``optimizer.step()`` is
+traced (the first also builds the fragment layout) with ``sys.setprofile`` on rank 0 from the
+update on (the guard's verdict before it is every step's, not the sync's), and every
+call of a hiersync function is recorded. Printed: the modules the sync enters
 (in order of first entry), the number of module-to-module hops (a call from a function of
 one module into another's, and the return), and the calls per module. The walk of a sync a
 newcomer has to follow is the list of modules that call into others (the walk); the others
 are leaves (a counter, a flag, a predicate) read in passing; the hops say how often the
 reader jumps.
 
-    python benchmarks/sync_path.py [--compress bf16] [--outer] [--fragments 1]
+    python benchmarks/sync_path.py [--compress bf16] [--outer] [--fragments 1] [--fsdp]
 """
 
 from __future__ import annotations
@@ -26,10 +27,18 @@ import hiersync
 from hiersync.tools.launch import run
 
 
-def _trace(options: dict) -> dict:
+def _trace(options: dict, fsdp: bool) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if fsdp:  # FSDP2 inside the node: every rank holds its shard of each parameter
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = hiersync.node_mesh()
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     state = hiersync.register(ddp, opt, period=2, **options)
     x = torch.randn(4, 8) + dist.get_rank()
@@ -58,10 +67,13 @@ def _trace(options: dict) -> dict:
             if where and where[-1] != left:
                 hops += 1
 
+    tracing = [False]
+    # Registered after hiersync's own pre-hook (the non-finite guard's verdict, read before every
+    # update, sync step or not): the trace starts once the update begins and holds the sync.
+    opt.register_step_pre_hook(lambda *_: sys.setprofile(profile) if tracing[0] else None)
     for step in range(4):
         ddp(x).sum().backward()
-        if step == 3:  # the second sync step (period 2, no warm-up): the first binds the layout
-            sys.setprofile(profile)
+        tracing[0] = step == 3  # the second sync step (period 2, no warm-up): the first binds the layout
         opt.step()
         sys.setprofile(None)
         opt.zero_grad()
@@ -81,13 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compress", default=None, help="bf16, fp16, int8 or int4 (default: fp32)")
     parser.add_argument("--outer", action="store_true", help="with the outer Nesterov step (lr 0.7, momentum 0.9)")
     parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 inside each node (default: DDP)")
     args = parser.parse_args(argv)
     options: dict = {"compress": args.compress, "fragments": args.fragments}
     if args.outer:
         options.update(outer_lr=0.7, outer_momentum=0.9)
-    result = run(_trace, 4, (options,), node_ids=[0, 0, 1, 1], timeout=120)[0]
+    result = run(_trace, 4, (options, args.fsdp), node_ids=[0, 0, 1, 1], timeout=120)[0]
+    front = "FSDP2" if args.fsdp else "DDP"
     print(
-        f"one blocking sync after optimizer.step() ({options}): {len(result['modules'])} modules, {result['hops']} hops"
+        f"one blocking sync after optimizer.step() ({front}, {options}): "
+        f"{len(result['modules'])} modules, {result['hops']} hops"
     )
     spine = result["spine"]
     print(

@@ -1,44 +1,222 @@
 """The two kinds of node the sync engine averages across: replicas (DDP) and shards (FSDP2).
 
 The cross-node average is rail-sharded either way: local rank ``l`` of every node averages
-the same *shard* of each chunk on its rail (docs/design.md), and keeps the local-SGD state
-(fp32 anchor, outer momentum) of that shard only. What differs is where a rank's shard
-comes from and how the result gets back into the parameters:
+the same *shard* of each *chunk* (a tuple of registry positions, its tensors one flat fp32
+vector of ``n`` values, cut into shards of ``s``, the last zero-padded) on its rail
+(docs/design.md), and keeps the local-SGD state (fp32 anchor, outer momentum, error-feedback
+residuals) of that shard only: :class:`ChunkStore` maps the layout to the tensors and keeps
+that state where ``state_device`` says (its checkpoint: :mod:`hiersync.state_io`).
 
-* :class:`ReplicatedNodeAverager` (DDP): every rank of a node holds the same parameters.
-  The chunk's flat fp32 layout (its parameters concatenated, padded to ``L * s``) is split
-  by local rank, rank ``l`` owning ``[l * s, (l + 1) * s)``; the node gathers the averaged
-  shards over its fast links, piece by piece for a blocking sync, as soon as the rail leg
-  is done for an overlapped one (so applying the correction is a local add). Nodes of
-  different sizes, or of one rank, average whole chunks instead (``split = 1``).
+* :class:`ReplicatedNodeAverager` (DDP): every rank of a node holds the same parameters;
+  rank ``l`` owns ``[l * s, (l + 1) * s)`` of a chunk. The node gathers the averaged shards
+  over its fast links, piece by piece for a blocking sync, as soon as the rail leg is done
+  for an overlapped one (so applying the correction is a local add). Nodes of different
+  sizes, or of one rank, average whole chunks instead (``split = 1``).
 * :class:`ShardedNodeAverager` (FSDP2): a rank holds its own shard of every parameter; the
   shards of local rank ``l`` line up across nodes when every node has L ranks, so the rank
   averages its own shards on its rail and writes them back locally: nothing to gather.
 
 Per rank that is ``2/L`` of the fp32 parameter bytes in steady state (anchor + momentum,
 only with ``compress`` or an outer step) plus the snapshot and payload of the chunks in
-flight, instead of several full copies (docs/local-sgd.md, "Memory").
-
-Both implement :class:`hiersync.sync.Averager`; the maths is written once, in
-:class:`RailAverager`, over the chunks' layout and kept state of :mod:`hiersync.chunks`.
+flight (docs/local-sgd.md, "Memory"). Both implement :class:`hiersync.sync.Averager`; the
+maths is written once, in :class:`RailAverager`.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .buffers import BufferPool
-from .chunks import ChunkState, ChunkStore
+from . import state_io
 from .futures import completed, then, wait
-from .localsgd import Registry, missing_anchor, outer_step
+from .localsgd import missing_anchor, outer_step
 from .quant import BlockCodec, CastCodec, ErrorFeedback
 from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
 
-__all__ = ["RailAverager", "ReplicatedNodeAverager", "ShardedNodeAverager", "ChunkState"]
+if TYPE_CHECKING:
+    from .localsgd import Registry
+
+__all__ = ["RailAverager", "ReplicatedNodeAverager", "ShardedNodeAverager", "ChunkState", "ChunkStore", "BufferPool"]
+
+
+class BufferPool:
+    """fp32 host vectors of the overlapped syncs (snapshots, gathered corrections), reused across
+    steps: glibc gives a freed buffer of tens of MB back to the OS and faults it in again at the
+    next allocation (~10 ms of CPU per step and rank at 25 MB). A request takes the smallest free
+    buffer that holds it (streaming's fragments differ by a few parameters: one buffer serves
+    each in turn); :meth:`trim` frees what is idle. Thread-safe. On CUDA the caching allocator
+    reuses memory already: a buffer given back records the stream that last read it."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """An fp32 vector of ``numel`` values, contents undefined."""
+        if device.type == "cpu":
+            with self._lock:
+                fits = [j for j, t in enumerate(self._free) if t.numel() >= numel]
+                if fits:
+                    buf = self._free.pop(min(fits, key=lambda j: self._free[j].numel()))
+                    return buf if buf.numel() == numel else buf[:numel]
+                self._free = []  # all smaller than what is asked now: superseded
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return a vector from :meth:`take` (the work queued on the current stream reads it last)."""
+        if t.device.type == "cuda":
+            t.record_stream(torch.cuda.current_stream(t.device))
+            return
+        base = t if t._base is None else t._base  # a view of a larger buffer: keep the buffer
+        with self._lock:
+            self._free.append(base)
+
+    def trim(self) -> None:
+        """Free the buffers nobody holds (the next step starts no sync that would take them)."""
+        with self._lock:
+            self._free = []
+
+
+@dataclass
+class ChunkState:
+    """A chunk's flat layout and this rank's state for its shard of it."""
+
+    indices: tuple[int, ...]
+    offsets: list[int]  # flat start of each parameter, plus the total
+    s: int  # shard length
+    lo: int  # this rank's shard starts here (flat coordinates)
+    anchor: torch.Tensor | None = None  # (s,) fp32
+    momentum: torch.Tensor | None = None  # (s,) fp32
+    residual: torch.Tensor | None = None  # (s,) bf16: what the codes of this shard's deltas left out
+    reduced_residual: torch.Tensor | None = None  # bf16: the same for the piece this rank reduces
+
+    @property
+    def n(self) -> int:
+        return self.offsets[-1]
+
+
+class ChunkStore:
+    """The registered tensors seen as chunks: layout, this rank's shard of each, and its state."""
+
+    split: int = 1
+    """Ranks of the node that split a chunk between them (1: each rank averages all of it)."""
+    index: int = 0
+    """Which shard this rank holds: its part of a split chunk (a node of replicas), or of every
+    parameter (a sharded node); checkpoints are checked against it."""
+
+    def __init__(self, registry: Registry, state_device: str | None = None) -> None:
+        self.registry = registry
+        # "cpu": anchor and momentum live in host memory (pinned where CUDA is available), as
+        # torchft's backup device; the maths runs on the parameters' device on transient copies.
+        self.state_device = torch.device(state_device) if state_device is not None else None
+        self.by_key: dict[tuple[int, ...], ChunkState] = {}
+        self.loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
+        self.per_param: dict[str, list] = {}  # an older checkpoint's state, by position (state_io)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.registry.params
+
+    def local(self, i: int) -> torch.Tensor:
+        """The tensor position ``i`` holds on this rank (the parameter itself here)."""
+        return self.params[i]
+
+    def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
+        return [self.params[i].numel() * 4 for i in indices]
+
+    # ------------------------------------------------------------- layout
+    def chunk(self, indices: Sequence[int]) -> ChunkState:
+        key = tuple(indices)
+        c = self.by_key.get(key)
+        if c is None:
+            offsets = [0, *itertools.accumulate(self.local(i).numel() for i in key)]
+            s = -(-offsets[-1] // self.split)
+            lo = self.index * s if self.split > 1 else 0
+            c = self.by_key[key] = ChunkState(key, offsets, s, lo)
+            state_io.bind_loaded(self, c)
+        return c
+
+    def shard_numel(self, indices: Sequence[int]) -> int:
+        return self.chunk(indices).s
+
+    def device_of(self, c: ChunkState) -> torch.device:
+        return self.local(c.indices[0]).device
+
+    def shard_of(
+        self, c: ChunkState, source: Sequence[torch.Tensor] | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's shard of the chunk as an fp32 vector (zero padding at the end): ``out``, or new.
+
+        ``source``: per-parameter tensors to read (default: the parameters themselves).
+        """
+        lo, hi = c.lo, min(c.lo + c.s, c.n)
+        if out is None:
+            out = torch.empty(c.s, dtype=torch.float32, device=self.device_of(c))
+        out[max(0, hi - lo) :].zero_()
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a < b:
+                t = (source[j] if source is not None else self.local(i)).detach().reshape(-1)
+                out[a - lo : b - lo].copy_(t[a - c.offsets[j] : b - c.offsets[j]])
+        return out
+
+    def own_shard(self, indices: Sequence[int], correction: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a correction of the whole chunk (or of its own vector)."""
+        c = self.chunk(indices)
+        if correction.numel() == c.s:
+            return correction
+        out = torch.zeros(c.s, dtype=torch.float32, device=correction.device)
+        hi = min(c.lo + c.s, c.n)
+        if hi > c.lo:
+            out[: hi - c.lo].copy_(correction.reshape(-1)[c.lo : hi])
+        return out
+
+    def stored(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as kept between syncs: on ``state_device`` (pinned host memory) if one is set."""
+        if self.state_device is None or t.device == self.state_device:
+            return t
+        pin = self.state_device.type == "cpu" and torch.cuda.is_available()
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.state_device, pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+
+    @staticmethod
+    def _here(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device`` (a transient copy when the state is offloaded)."""
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    @classmethod
+    def _maybe_here(cls, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        return None if t is None else cls._here(t, device)
+
+    def backup(self, indices: Sequence[int]) -> Callable[[], None]:
+        return state_io.backup(self.chunk(indices))
+
+    def _write_range(self, c: ChunkState, lo: int, values: torch.Tensor, add: bool) -> None:
+        """Copy (or add) ``values`` into the chunk's flat range starting at ``lo``."""
+        hi = min(lo + values.numel(), c.n)
+        for j, i in enumerate(c.indices):
+            a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
+            if a < b:  # fp32 ``values``: a 16-bit parameter's sum is rounded once
+                dst, v = self.local(i).data.view(-1)[a - c.offsets[j] : b - c.offsets[j]], values[a - lo : b - lo]
+                dst.add_(v) if add and dst.dtype == torch.float32 else dst.copy_(dst.float() + v if add else v)
+
+    def release(self) -> None:
+        """Forget the parameters and their state (the owner is closed)."""
+        self.registry.clear()
+        self.by_key, self.loaded, self.per_param = {}, [], {}
+
+    def state(self) -> dict[str, Any]:  # a checkpoint: hiersync.state_io
+        return state_io.shard_state(self)
+
+    def load(self, state: dict[str, Any]) -> None:
+        state_io.load_shards(self, state)
 
 
 class RailAverager(ChunkStore):
@@ -78,14 +256,13 @@ class RailAverager(ChunkStore):
     def needs_anchor(self) -> bool:
         return self.codec is not None or self.outer_lr is not None
 
-    # ------------------------------------------------------------- anchors
     def capture(self, chunks: Sequence[Sequence[int]]) -> None:
         if not self.needs_anchor:
             return
         for idx in chunks:
             c = self.chunk(idx)
             if c.anchor is None:
-                c.anchor = self._store(self._shard_of(c))
+                c.anchor = self.stored(self.shard_of(c))
 
     # ------------------------------------------------------------- averaging
     def launch(self, indices: Sequence[int]) -> Launched:
@@ -95,7 +272,7 @@ class RailAverager(ChunkStore):
         """Start this rank's shard of ``c``. ``keep``: where the shard is read into and stays (a
         correction's snapshot; else a new vector the payload may be made in); ``work``: ``c.s``
         values the payload is made in (a plain fp32 payload is averaged there, in place)."""
-        x = self._shard_of(c, out=keep)
+        x = self.shard_of(c, out=keep)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
         if self.blocks is not None:
@@ -133,7 +310,7 @@ class RailAverager(ChunkStore):
             torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
         if feedback and contributes:  # a node that sends zeros leaves its residual as it is
             packed, left = ErrorFeedback(codec, N).encode(e, self._maybe_here(c.residual, x.device))
-            c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self._store)
+            c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self.stored)
         else:
             packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
         n = padded // N  # values per piece
@@ -151,7 +328,7 @@ class RailAverager(ChunkStore):
             if r is not None and r.numel() != n:  # a different number of nodes starts afresh
                 r = None
             out, left = ErrorFeedback(codec).encode(mean, self._maybe_here(r, mean.device))
-            c.reduced_residual = ErrorFeedback.keep(left, r, self._store)
+            c.reduced_residual = ErrorFeedback.keep(left, r, self.stored)
             return out
 
         def decoded(f: torch.futures.Future) -> torch.Tensor:  # into ``work`` too: free again by then
@@ -178,19 +355,19 @@ class RailAverager(ChunkStore):
             here = self._here(c.momentum, avg.device) if c.momentum is not None else None
             avg, m = outer_step(avg, anchor, here, self.outer_lr, self.outer_momentum)
             if m is not None and c.momentum is None:
-                c.momentum = self._store(m)
+                c.momentum = self.stored(m)
             elif m is not None and m is not c.momentum:
                 c.momentum.copy_(m, non_blocking=True)  # type: ignore[union-attr]
         if self.needs_anchor:
             if c.anchor is None:
-                c.anchor = self._store(avg.clone())
+                c.anchor = self.stored(avg.clone())
             else:
                 c.anchor.copy_(avg, non_blocking=True)  # the persistent buffer, reused
         return avg
 
     def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
         c = self.chunk(indices)
-        launched = self._launch(c, keep=self._pool.take(c.s, self._device(c)))
+        launched = self._launch(c, keep=self._pool.take(c.s, self.device_of(c)))
 
         def correction(_: torch.futures.Future) -> torch.Tensor:
             # The snapshot and the transfer's payload are dropped as soon as they are used.
@@ -200,7 +377,7 @@ class RailAverager(ChunkStore):
             self._pool.give(snapshot)
             return out
 
-        return then(launched.future, correction, self._device(c), "the cross-node correction")
+        return then(launched.future, correction, self.device_of(c), "the cross-node correction")
 
     def add_correction(self, indices: Sequence[int], correction: torch.Tensor) -> None:
         c = self.chunk(indices)
@@ -237,7 +414,6 @@ class ReplicatedNodeAverager(RailAverager):
             )
         if even:
             self.split, self.index = comm.groups.node_size, comm.groups.local_rank
-        self._per_param: dict[str, list] = {}  # an older checkpoint's state, by position (load_per_param)
         self._scratch: torch.Tensor | None = None  # one gathered piece, reused
 
     @torch.no_grad()
@@ -278,7 +454,7 @@ class ReplicatedNodeAverager(RailAverager):
         if self.split == 1:
             return super().launch_correction(indices)
         c = self.chunk(indices)
-        gathered = self._pool.take(self.split * c.s, self._device(c))
+        gathered = self._pool.take(self.split * c.s, self.device_of(c))
         mine = gathered[c.lo : c.lo + c.s]
         spare = (self.index + 1) % self.split * c.s
         launched = self._launch(c, keep=gathered[spare : spare + c.s], work=mine)
@@ -300,27 +476,7 @@ class ReplicatedNodeAverager(RailAverager):
 
     def release(self) -> None:
         super().release()
-        self._scratch, self._per_param = None, {}
-
-    def load_per_param(self, saved: dict[str, list | None]) -> None:
-        """Anchor and momentum kept whole per registry position (a checkpoint of a hiersync whose sync
-        in the hook kept them so): each chunk takes its shard of them when it first appears."""
-        self._per_param = {key: v for key, v in saved.items() if key in ("anchor", "momentum") and v}
-
-    def _bind_loaded(self, c: ChunkState) -> None:
-        super()._bind_loaded(c)
-        for key, saved in self._per_param.items():
-            if getattr(c, key) is not None or not all(i < len(saved) and saved[i] is not None for i in c.indices):
-                continue
-            for i in c.indices:
-                if tuple(saved[i].shape) != tuple(self.params[i].shape):
-                    raise ValueError(
-                        f"hiersync state_dict {key}[{i}] has shape {tuple(saved[i].shape)} but the model's parameter "
-                        f"{i} (in DDP's initial bucket order) has shape {tuple(self.params[i].shape)}: the checkpoint "
-                        "is from a different model"
-                    )
-            shard = self._shard_of(c, [saved[i].to(self._device(c)) for i in c.indices])
-            setattr(c, key, self._store(shard))
+        self._scratch = None
 
 
 class ShardedNodeAverager(RailAverager):

@@ -53,7 +53,15 @@ from .vocab import INTRA_ALGORITHMS, Level, default_intra_algorithm
 
 INTRA, INTER = Level.INTRA, Level.INTER
 
-__all__ = ["HierComm"]
+__all__ = ["HierComm", "collective_bytes"]
+
+
+def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
+    """Bytes one rank sends for collective ``kind`` over ``group_size`` ranks on ``nbytes`` (the
+    full input; an all-gather's full output): ``2 (p - 1) / p * n`` for an all-reduce, ``(p - 1) / p * n``
+    for the others, 0 for a group of one (the cost model's bandwidth-optimal accounting)."""
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return 0 if group_size <= 1 else int(round(factor * (group_size - 1) / group_size * nbytes))
 
 
 class HierComm:
@@ -101,6 +109,15 @@ class HierComm:
         return other
 
     # ------------------------------------------------------------- helpers
+    def _count(self, level: str, kind: str, group_size: int, nbytes: int) -> None:
+        """One collective of ``kind`` on ``nbytes`` over ``group_size`` ranks, in ``stats``."""
+        if group_size > 1:
+            with self.stats.lock:
+                self.stats.collectives[level] = self.stats.collectives.get(level, 0) + 1
+                self.stats.bytes_sent[level] = self.stats.bytes_sent.get(level, 0) + collective_bytes(
+                    kind, group_size, nbytes
+                )
+
     def _phase(self, what: str) -> str:
         """``what`` plus the step context, this rank and the ranks of the groups involved."""
         g = self.groups
@@ -157,7 +174,7 @@ class HierComm:
     def _flat(self, tensor: torch.Tensor, group, level: str, what: str, rail: bool = False) -> torch.futures.Future:
         size = self.rail_nodes() if rail else dist.get_world_size(group)
         tensor.div_(self.rail_divisor() if rail else size)
-        self.stats.record(level, "all_reduce", size, tensor.numel() * tensor.element_size())
+        self._count(level, "all_reduce", size, tensor.numel() * tensor.element_size())
         try:
             if rail:
                 fut = self._sequenced_rail_allreduce(tensor, what)
@@ -184,13 +201,13 @@ class HierComm:
         if self.intra_algorithm == "rs_ag":
             shard = torch.empty(shard_len, dtype=tensor.dtype, device=tensor.device)
             phase = self._phase("intra reduce-scatter")
-            self.stats.record(INTRA, "reduce_scatter", L, flat.numel() * esize)
+            self._count(INTRA, "reduce_scatter", L, flat.numel() * esize)
             launch = lambda: issue(reduce_scatter, shard, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_reduce_scatter"
         else:
             shard = flat[lo : lo + shard_len]  # reduced in place by the node-wide all-reduce
             phase = self._phase("intra all-reduce")
-            self.stats.record(INTRA, "all_reduce", L, flat.numel() * esize)
+            self._count(INTRA, "all_reduce", L, flat.numel() * esize)
             launch = lambda: issue(dist.all_reduce, flat, group=g.intra, what=phase)
             span_name = "hiersync/intra_allreduce"
         try:
@@ -202,7 +219,7 @@ class HierComm:
         def rail_leg() -> torch.futures.Future:
             return self.rail_allreduce(shard, "inter all-reduce on the rail")
 
-        self.stats.record(self.level, "all_reduce", N, shard_len * esize)
+        self._count(self.level, "all_reduce", N, shard_len * esize)
         ar = self._seq_rail.submit(first, rail_leg, tensor.device, self._phase("inter all-reduce on the rail"))
         ar = span("hiersync/inter_allreduce", ar)
         done = self._gather_shards(lambda: (flat, shard), shard_len, flat, ar, "all-gather")
@@ -229,7 +246,7 @@ class HierComm:
         esize = like.element_size()
         lo = g.local_rank * shard_len
         if self.intra_algorithm == "rs_ag":
-            self.stats.record(INTRA, "all_gather", L, L * shard_len * esize)
+            self._count(INTRA, "all_gather", L, L * shard_len * esize)
 
             def launch() -> torch.futures.Future:
                 padded, shard = buffers()
@@ -239,7 +256,7 @@ class HierComm:
         else:
             node = g.node
             for _ in range(L):
-                self.stats.record(INTRA, "broadcast", L, shard_len * esize)
+                self._count(INTRA, "broadcast", L, shard_len * esize)
 
             def launch() -> torch.futures.Future:
                 padded, shard = buffers()
@@ -278,7 +295,7 @@ class HierComm:
             tensor.div_(self.world_size)
             if L > 1:
                 phase = self._phase("intra reduce to the node leader")
-                self.stats.record(INTRA, "reduce", L, nbytes)
+                self._count(INTRA, "reduce", L, nbytes)
                 try:
                     ready = issue(dist.reduce, tensor, dst=leader, group=g.intra, what=phase)
                 except Exception as e:
@@ -286,7 +303,7 @@ class HierComm:
                 ready = span("hiersync/intra_reduce", then(ready, wait, tensor.device, phase))
         if g.is_leader and topo.num_nodes > 1:
             phase = self._phase(f"inter {what}all-reduce among leaders")
-            self.stats.record(INTER, "all_reduce", topo.num_nodes, nbytes)
+            self._count(INTER, "all_reduce", topo.num_nodes, nbytes)
             ready = self._seq_rail.submit(ready, lambda: self.rail_allreduce(tensor, phase), tensor.device, phase)
             ready = span("hiersync/inter_param_allreduce" if replicated else "hiersync/inter_allreduce", ready)
         if L > 1:
@@ -295,7 +312,7 @@ class HierComm:
             def bcast_leg() -> torch.futures.Future:
                 return issue(dist.broadcast, tensor, src=leader, group=g.intra_late, what=phase)
 
-            self.stats.record(INTRA, "broadcast", L, nbytes)
+            self._count(INTRA, "broadcast", L, nbytes)
             ready = span("hiersync/intra_broadcast", self._seq_late.submit(ready, bcast_leg, tensor.device, phase))
         return after(ready, lambda: tensor, tensor.device)
 
@@ -367,7 +384,7 @@ class HierComm:
             raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
         shard.div_(self.rail_divisor())
         phase = self._phase("inter parameter all-reduce on the rail")
-        self.stats.record(self.level, "all_reduce", N, shard.numel() * shard.element_size())
+        self._count(self.level, "all_reduce", N, shard.numel() * shard.element_size())
         try:
             fut = self._sequenced_rail_allreduce(shard, phase)
         except Exception as e:
@@ -396,7 +413,7 @@ class HierComm:
         piece = packed.numel() // N
         received = torch.empty_like(packed)
         phase = self._phase("inter all-to-all of quantized pieces on the rail")
-        self.stats.record(self.level, "all_to_all", N, packed.numel())
+        self._count(self.level, "all_to_all", N, packed.numel())
         first = self._seq_rail.submit(
             ready_now(packed.device),
             lambda: self.rail_all_to_all(received, packed, phase),
@@ -412,7 +429,7 @@ class HierComm:
             cell.append(torch.empty(N * piece, dtype=packed.dtype, device=packed.device))
             return self.rail_all_gather(cell[0], mine, "inter all-gather of averaged pieces on the rail")
 
-        self.stats.record(self.level, "all_gather", N, N * piece)
+        self._count(self.level, "all_gather", N, N * piece)
         done = self._seq_rail.submit(first, gather, packed.device, self._phase("inter all-gather of averaged pieces"))
         return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
 

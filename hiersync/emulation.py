@@ -24,41 +24,27 @@ It sees a missing or misplaced ``wait``. It cannot see stream contexts (which st
 callback runs on), a missing ``record_stream``, caching-allocator reuse, or NCCL's own
 watchdog: those need tests/gpu/ on a device. A wait blocks the host until the real
 collective is done, so everything runs in launch order and overlaps nothing: this is a
-correctness mode, never a benchmark one. This module imports only torch.
+correctness mode, never a benchmark one. The switch is read by :func:`hiersync.futures.emulated`
+(the one place every collective and result goes through); this module imports only torch.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ENV", "ATTR", "PoisonedWrite", "enabled", "launch", "hold", "poison", "is_poisoned"]
+__all__ = ["ENV", "ATTR", "PoisonedWrite", "launch", "hold", "poison", "is_poisoned"]
 
 ENV = "HIERSYNC_EMULATE_NCCL"
 ATTR = "_hiersync_pending"
 """The attribute of a future that holds its :class:`_Pending` (read by ``futures.wait``)."""
 
-log = logging.getLogger(__name__)
-_announced = False
-
 
 class PoisonedWrite(RuntimeError):
     """A collective's output was written before ``futures.wait`` was called for it."""
-
-
-def enabled() -> bool:
-    """Whether ``HIERSYNC_EMULATE_NCCL`` is set to a true value (read at every call)."""
-    global _announced
-    on = os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-    if on and not _announced:
-        _announced = True
-        log.warning("%s is set: results stay poisoned until futures.wait() (a slow correctness mode)", ENV)
-    return on
 
 
 def _sentinel(dtype: torch.dtype) -> float | int | bool:

@@ -155,6 +155,7 @@ class SyncState:
             comm = self.comm.over(GroupRail(rail, rail.size() if rail is not None else 1), RACK)
             engine = CrossNodeSync(
                 plain(comm),
+                self.registry,
                 level.schedule,
                 overlap=0,
                 chunk_bytes=cfg.chunk_bytes,
@@ -164,6 +165,7 @@ class SyncState:
             self.levels.append(LevelEngine(level, engine))
         self.engine = CrossNodeSync(
             averager,
+            self.registry,
             cfg.schedule,
             overlap=cfg.overlap,
             chunk_bytes=cfg.chunk_bytes,
@@ -307,7 +309,7 @@ class SyncState:
         self.stats.count_step(kind, step)
         self._kind = None
         if kind != EXACT and self._capture_pending:
-            if self.engine.averager.needs_anchor:
+            if self.config.needs_anchor:
                 self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
         if kind != EXACT and self._optimizer is not None:
@@ -315,6 +317,7 @@ class SyncState:
             for lv in self.levels:  # after optimizer.step(), or before the next forward if it is skipped
                 if lv.level.name in names:
                     lv.engine.mark_due(step)
+                lv.engine.next_syncs = lv.level.schedule.is_sync(step + 1)
         self.step += 1
         return step
 

@@ -33,6 +33,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +46,9 @@ from torch.profiler import record_function
 
 from . import emulation
 
+logger = logging.getLogger(__name__)
+_announced = False
+
 __all__ = [
     "HierSyncError",
     "new_future",
@@ -52,6 +57,7 @@ __all__ = [
     "failed",
     "wait",
     "settle",
+    "emulated",
     "then",
     "wrap",
     "when_all",
@@ -152,6 +158,17 @@ def wrap(e: BaseException, phase: str) -> BaseException:
     return err
 
 
+def emulated() -> bool:
+    """Whether ``HIERSYNC_EMULATE_NCCL`` is set to a true value, read at every call: then
+    :func:`issue` and :func:`settle` emulate NCCL's completion (:mod:`hiersync.emulation`)."""
+    global _announced
+    on = os.environ.get(emulation.ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    if on and not _announced:
+        _announced = True
+        logger.warning("%s is set: results stay poisoned until futures.wait() (a slow correctness mode)", emulation.ENV)
+    return on
+
+
 def settle(fut: Future, value: Any, what: str = "a hiersync future") -> None:
     """Complete ``fut`` with ``value`` (read through :func:`wait`): the only way hiersync
     sets a result.
@@ -160,7 +177,7 @@ def settle(fut: Future, value: Any, what: str = "a hiersync future") -> None:
     here and a consumer must :func:`wait` on ``fut`` in turn. Under emulated NCCL
     (:mod:`hiersync.emulation`) ``value``'s tensors stay poisoned until it does.
     """
-    if emulation.enabled():
+    if emulated():
         emulation.hold(fut, value, what)
     fut.set_result(value)
 
@@ -394,7 +411,7 @@ def issue(op: Callable, out: torch.Tensor, *inputs: torch.Tensor, what: str, **k
     def start(*ts: torch.Tensor) -> torch.futures.Future:
         return _async(op(*ts, async_op=True, **kw), ts[0])
 
-    if not emulation.enabled():
+    if not emulated():
         return start(out, *inputs)
     writes = not (op is dist.broadcast and kw["src"] == dist.get_rank())
     return emulation.launch(start, (out, *inputs), [0] if writes else [], what)

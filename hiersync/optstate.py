@@ -84,14 +84,6 @@ class WithOptimizerState:
         self.states = states
         self.all = [params, *states]
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.base.params
-
-    @property
-    def needs_anchor(self) -> bool:
-        return self.base.needs_anchor
-
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         return self.base.chunk_bytes(indices)
 

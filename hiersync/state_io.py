@@ -11,16 +11,30 @@ records each position's index in ``model.parameters()`` when the state knows the
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .averagers import ReplicatedNodeAverager
+from .quant import RESIDUAL_DTYPE
 
 if TYPE_CHECKING:
+    from .averagers import ChunkState, ChunkStore
     from .frontend import SyncState
 
-__all__ = ["save", "load", "bootstrap_registry", "check_loaded_shapes", "model_positions", "FORMAT"]
+__all__ = [
+    "save",
+    "load",
+    "bootstrap_registry",
+    "check_loaded_shapes",
+    "model_positions",
+    "shard_state",
+    "load_shards",
+    "bind_loaded",
+    "load_per_param",
+    "backup",
+    "FORMAT",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +127,10 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
     # unchecked facts wait for the model (synchronize) or the first backward
     state._loaded = None if state.registry.params else loaded
     state.engine.load(state_dict["averager"], state_dict["in_flight"])
-    averager = getattr(state.engine.averager, "base", state.engine.averager)
-    if state_dict["hook"] and isinstance(averager, ReplicatedNodeAverager):
-        averager.load_per_param(state_dict["hook"])  # an older version's sync in the hook: whole per parameter
+    if state_dict["hook"]:  # an older version's sync in DDP's hook: whole per parameter
+        load_per_param(
+            cast("ChunkStore", getattr(state.engine.averager, "base", state.engine.averager)), state_dict["hook"]
+        )
     saved_levels = state_dict.get("levels") or {}
     for lv in state.levels[:-1]:
         got = saved_levels.get(lv.level.name)
@@ -177,3 +192,94 @@ def model_positions(state: SyncState) -> list[int] | None:
     if any(j is None for j in positions):
         return None
     return [int(j) for j in positions if j is not None]
+
+
+# ---------------------------------------------------------------- a rank's shards (averagers.ChunkStore)
+KEPT = ("anchor", "momentum", "residual", "reduced_residual")
+"""What a chunk keeps between syncs (and checkpoints)."""
+
+
+def shard_state(store: ChunkStore) -> dict[str, Any]:
+    """This rank's shards of each chunk's kept state, copied: they are updated in place by later
+    syncs, and a host-resident (``state_device="cpu"``) copy may still be in flight from the device."""
+    if store.state_device is not None and store.state_device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies into pinned memory have landed
+
+    def saved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().to("cpu", copy=True)
+
+    return {
+        "kind": type(store).__name__,
+        "split": store.split,
+        "index": store.index,
+        "chunks": [
+            {"indices": list(c.indices)} | {key: saved(getattr(c, key)) for key in KEPT}
+            for c in store.by_key.values()
+            if any(getattr(c, key) is not None for key in KEPT)
+        ],
+    }
+
+
+def load_shards(store: ChunkStore, state: dict[str, Any]) -> None:
+    """Hold ``state``'s shards until their chunks appear (:func:`bind_loaded`); checked first."""
+    mine = (type(store).__name__, store.split, store.index)
+    theirs = (state.get("kind", mine[0]), state.get("split", store.split), state.get("index", store.index))
+    if state.get("chunks") and theirs != mine:  # checked before anything changes
+        raise ValueError(
+            f"this hiersync state_dict holds the shards of local rank {theirs[2]} ({theirs[0]}, chunks split "
+            f"{theirs[1]} ways), but this is local rank {store.index} ({mine[0]}, split {store.split} ways): every "
+            "rank must save and load its own state.state_dict() (or call state.synchronize(model) and start a "
+            "fresh state)"
+        )
+    store.by_key.clear()
+    store.loaded = list(state.get("chunks") or [])
+
+
+def load_per_param(store: ChunkStore, saved: dict[str, list | None]) -> None:
+    """Anchor and momentum kept whole per registry position (a checkpoint of a hiersync whose sync
+    in the hook kept them so): each chunk takes its shard of them when it first appears."""
+    store.per_param = {key: v for key, v in saved.items() if key in ("anchor", "momentum") and v}
+
+
+def backup(c: ChunkState) -> Callable[[], None]:
+    """Copy the state ``c`` keeps between syncs; the callable puts it back (a dropped window)."""
+    saved = {key: getattr(c, key).clone() for key in KEPT if getattr(c, key) is not None}
+
+    def restore() -> None:  # into the persistent (possibly pinned) buffers where they exist
+        for key in KEPT:
+            now, old = getattr(c, key), saved.get(key)
+            if old is None or now is None or now.shape != old.shape:
+                setattr(c, key, old)
+            else:
+                now.copy_(old)
+
+    return restore
+
+
+def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
+    """A chunk appears: take its saved shards (or its shard of an older per-parameter state)."""
+    device = store.device_of(c)
+    for saved in store.loaded:
+        if tuple(saved["indices"]) == c.indices:
+            for key in KEPT:
+                t = saved.get(key)
+                if t is not None:
+                    if t.numel() != c.s and key != "reduced_residual":
+                        raise ValueError(
+                            f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
+                            f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
+                        )
+                    dtype = RESIDUAL_DTYPE if key.endswith("residual") else torch.float32
+                    setattr(c, key, store.stored(t.to(device=device, dtype=dtype, copy=True)))
+            break
+    for key, whole in store.per_param.items():
+        if getattr(c, key) is not None or not all(i < len(whole) and whole[i] is not None for i in c.indices):
+            continue
+        for i in c.indices:
+            if tuple(whole[i].shape) != tuple(store.params[i].shape):
+                raise ValueError(
+                    f"hiersync state_dict {key}[{i}] has shape {tuple(whole[i].shape)} but the model's parameter "
+                    f"{i} (in DDP's initial bucket order) has shape {tuple(store.params[i].shape)}: the checkpoint "
+                    "is from a different model"
+                )
+        setattr(c, key, store.stored(store.shard_of(c, [whole[i].to(device) for i in c.indices])))

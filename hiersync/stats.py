@@ -1,20 +1,8 @@
 """Counters a HierState keeps: steps by kind, collectives and bytes per level.
 
-Bytes are what *this rank sends* under a bandwidth-optimal algorithm (the same accounting
-as the cost model and nccl-tests' busbw), not what a particular backend happens to send:
-
-=================  =======================
-collective         bytes sent per rank
-=================  =======================
-all-reduce         2 (p - 1) / p * n
-reduce-scatter     (p - 1) / p * n          (n = full input size)
-all-gather         (p - 1) / p * n          (n = full output size)
-all-to-all         (p - 1) / p * n          (n = full input size)
-reduce, broadcast  (p - 1) / p * n
-=================  =======================
-
-with p the group size and n the bytes of the (padded) tensor. Groups of one rank
-issue no collective and count nothing.
+The collectives count themselves (:class:`hiersync.collectives.HierComm`, under :attr:`Stats.lock`):
+bytes are what *this rank sends* under a bandwidth-optimal algorithm, the cost model's and
+nccl-tests' busbw accounting (:func:`hiersync.collectives.collective_bytes`).
 """
 
 from __future__ import annotations
@@ -25,26 +13,10 @@ from dataclasses import dataclass, field, fields
 
 from .vocab import Level, StepKind
 
-__all__ = ["Stats", "INTRA", "INTER", "collective_bytes"]
+__all__ = ["Stats", "INTRA", "INTER"]
 
 INTRA: str = Level.INTRA.value
 INTER: str = Level.INTER.value
-
-_FACTORS = {
-    "all_reduce": 2.0,
-    "reduce_scatter": 1.0,
-    "all_gather": 1.0,
-    "all_to_all": 1.0,
-    "reduce": 1.0,
-    "broadcast": 1.0,
-}
-
-
-def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
-    """Bytes one rank sends for collective ``kind`` over ``group_size`` ranks on ``nbytes``."""
-    if group_size <= 1:
-        return 0
-    return int(round(_FACTORS[kind] * (group_size - 1) / group_size * nbytes))
 
 
 @dataclass
@@ -67,18 +39,12 @@ class Stats:
     """Sync steps where this rank's node contributed nothing to the cross-node average."""
     recent_sync_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1024))
     """Indices of the most recent inter-node sync steps (bounded)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def record(self, level: str, kind: str, group_size: int, nbytes: int) -> None:
-        if group_size <= 1:
-            return
-        with self._lock:
-            self.collectives[level] = self.collectives.get(level, 0) + 1
-            self.bytes_sent[level] = self.bytes_sent.get(level, 0) + collective_bytes(kind, group_size, nbytes)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Held while a counter changes (the collectives count from callback threads too)."""
 
     def count_step(self, kind: str, step: int) -> None:
         """One synchronized backward of ``kind`` (a :class:`~hiersync.vocab.StepKind`) at ``step``."""
-        with self._lock:
+        with self.lock:
             self.steps += 1
             if kind == StepKind.EXACT:
                 self.exact_steps += 1
@@ -90,20 +56,20 @@ class Stats:
 
     def count_skip(self, kind: str) -> None:
         """This rank skipped the update of a step of ``kind`` (non-finite gradient)."""
-        with self._lock:
+        with self.lock:
             self.nonfinite_skips += 1
             if kind == StepKind.SYNC:
                 self.nonfinite_sync_skips += 1
 
     def as_dict(self) -> dict:
-        with self._lock:
+        with self.lock:
             return self._snapshot()
 
     def _snapshot(self) -> dict:
         """Every public counter (a subclass's too), dicts and deques copied."""
         out = {}
         for f in fields(self):
-            if not f.name.startswith("_"):
+            if f.compare:  # the counters, not the lock
                 value = getattr(self, f.name)
                 if isinstance(value, dict):
                     value = dict(value)
@@ -114,6 +80,6 @@ class Stats:
 
     def reset(self) -> None:
         fresh = type(self)()
-        with self._lock:
+        with self.lock:
             for name in self._snapshot():
                 setattr(self, name, getattr(fresh, name))

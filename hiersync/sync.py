@@ -18,7 +18,8 @@ overlapped, so every node issues the same collectives in the same order.
 
 Example::
 
-    >>> engine = CrossNodeSync(averager, Schedule(period=4), overlap=1, chunk_bytes=25 * 2**20, transport=comm.rail)
+    >>> engine = CrossNodeSync(averager, registry, Schedule(period=4), overlap=1,
+    ...                        chunk_bytes=25 * 2**20, transport=comm.rail)
     >>> engine.mark_due(3); engine.after_step(4)   # sync step 3: launched after optimizer.step()
     >>> engine.after_step(5)                       # step 4: its correction is applied
 
@@ -45,7 +46,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.profiler import record_function
 
 from .futures import wait
-from .localsgd import chunk_by_bytes
+from .localsgd import Registry, chunk_by_bytes
 from .schedule import Schedule, fragment_layout
 from .topology import Topology
 from .transport import Marker, Transport, Window
@@ -155,16 +156,6 @@ class Averager(Protocol):
     on a sharded node.
     """
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        """The registry: the tensors the engine averages, by position."""
-        ...
-
-    @property
-    def needs_anchor(self) -> bool:
-        """Whether the state holds an fp32 anchor (delta compression or an outer step)."""
-        ...
-
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         """The fp32 bytes each position of ``indices`` adds to this rank's transfers."""
         ...
@@ -232,6 +223,7 @@ class CrossNodeSync:
     def __init__(
         self,
         averager: Averager,
+        registry: Registry,
         schedule: Schedule,
         *,
         overlap: int,
@@ -240,6 +232,8 @@ class CrossNodeSync:
         model_positions: Callable[[], Sequence[int] | None] | None = None,
     ) -> None:
         self.averager = averager
+        self.registry = registry
+        """The parameters averaged, by position (the averager's)."""
         self.schedule = schedule
         self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
@@ -252,6 +246,9 @@ class CrossNodeSync:
         manager mode: this node was healed into another place of the schedule)."""
         self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
+        self.next_syncs: bool | None = None
+        """Whether the next step launches a sync here (a front-end says so at each step's end, with
+        the step's plan); None: :meth:`after_step` asks the schedule."""
         self._layout: list[list[int]] | None = None
         self._chunks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # by fragment, with the layout
         self._forward_hook: Any = None
@@ -264,7 +261,7 @@ class CrossNodeSync:
         DDP and FSDP2 front-ends then give the same model the same fragments.
         """
         if self._layout is None:
-            params = self.averager.params
+            params = self.registry.params
             if not params:  # nothing registered yet: nothing to average (and nothing cached)
                 return [[] for _ in range(self.schedule.fragments)]
             order = list(range(len(params)))
@@ -297,7 +294,8 @@ class CrossNodeSync:
             apply_at = step + 1 + self.overlap if self.overlap else 0
             with torch.no_grad(), record_function("hiersync/sync_after_step"):
                 self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
-        if not self.schedule.is_sync(steps_done):  # the next step launches nothing: hold no idle buffers
+        keep = self.next_syncs if self.next_syncs is not None else self.schedule.is_sync(steps_done)
+        if not keep:  # the next step launches nothing: hold no idle buffers
             self.averager.trim()
 
     def launch_due(self, where: str = "") -> None:
@@ -319,7 +317,7 @@ class CrossNodeSync:
             self.run_window(window)
 
     def _open_window(self, marker: Marker) -> Window:
-        params = self.averager.params
+        params = self.registry.params
         return self.transport.open(marker, params[0].device if params else torch.device("cpu"))
 
     def close(self) -> None:
@@ -438,7 +436,7 @@ class CrossNodeSync:
         self.in_flight = [c for c in self.in_flight if all(c is not d for d in corrections)]
 
     def _check_fits(self, c: Correction) -> None:
-        n = len(self.averager.params)
+        n = len(self.registry.params)
         bad = [i for i in c.indices if not 0 <= i < n]
         if c.shard is None and not bad:
             return

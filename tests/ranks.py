@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
-from hiersync import emulation
 from hiersync.collectives import HierComm
-from hiersync.futures import wait
+from hiersync.futures import emulated, wait
 
 
 # ---------------------------------------------------------------- models and data
@@ -464,8 +463,8 @@ def localsgd_check(cfg: dict) -> dict:
             # waits for the node gather without applying anything: it must have been issued already.
             # Emulated NCCL completes it at enqueue: read its size without resolving the poison, so that
             # a skipped wait at apply time still shows (tests/test_emulation.py).
-            emulated = emulation.enabled() and c.future.done()
-            whole = c.future.value() if emulated else wait(c.future)
+            held = emulated() and c.future.done()
+            whole = c.future.value() if held else wait(c.future)
             first = whole[0] if isinstance(whole, list) else whole  # with the optimizer state: one per averager
             base = getattr(state.engine.averager, "base", state.engine.averager)
             gathered_early.append(first.numel() > base.shard_numel(c.indices))

@@ -9,7 +9,7 @@ import pytest
 import ranks
 from harness import TOPOLOGIES, launch
 
-from hiersync.stats import collective_bytes
+from hiersync.collectives import collective_bytes
 from hiersync.tools.launch import RankFailed, run, run_all
 
 

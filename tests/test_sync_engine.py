@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+from hiersync import state_io
 from hiersync.averagers import ReplicatedNodeAverager, ShardedNodeAverager
 from hiersync.collectives import HierComm
 from hiersync.futures import completed
@@ -80,7 +81,12 @@ def _engine(kind: str, cfg: dict, params: list[torch.Tensor]) -> CrossNodeSync:
         averager = ReplicatedNodeAverager(comm, registry, **opts)
     schedule = Schedule(period=cfg["period"], warmup_steps=cfg.get("warmup", 0), fragments=cfg["fragments"])
     return CrossNodeSync(
-        averager, schedule, overlap=cfg["tau"], chunk_bytes=cfg.get("chunk_bytes", 1 << 20), transport=comm.rail
+        averager,
+        registry,
+        schedule,
+        overlap=cfg["tau"],
+        chunk_bytes=cfg.get("chunk_bytes", 1 << 20),
+        transport=comm.rail,
     )
 
 
@@ -292,7 +298,7 @@ def test_per_parameter_state_of_an_older_checkpoint_binds_as_each_chunks_shard()
     engine = _engine("replicated", cfg, _params())
     avg = engine.averager
     avg.split, avg.index = 2, 1  # local rank 1 of a node of 2
-    avg.load_per_param({"anchor": anchor, "momentum": [a + 10 for a in anchor]})
+    state_io.load_per_param(avg, {"anchor": anchor, "momentum": [a + 10 for a in anchor]})
     (_, idx), *_ = engine.chunks([0])
     c = avg.chunk(idx)
     flat = torch.cat([anchor[i] for i in idx])
@@ -300,6 +306,6 @@ def test_per_parameter_state_of_an_older_checkpoint_binds_as_each_chunks_shard()
     assert c.s < c.n and torch.equal(c.anchor[:mine], flat[c.s :]) and not c.anchor[mine:].any()
     assert torch.equal(c.momentum[:mine], flat[c.s :] + 10) and not c.momentum[mine:].any()
     other = _engine("replicated", cfg, _params())
-    other.averager.load_per_param({"anchor": [torch.zeros(n + 1) for n in SIZES]})
+    state_io.load_per_param(other.averager, {"anchor": [torch.zeros(n + 1) for n in SIZES]})
     with pytest.raises(ValueError, match="different model"):
         other.capture_anchor()
