@@ -119,16 +119,12 @@ class ChunkStore:
         self.loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
         self.per_param: dict[str, list] = {}  # an older checkpoint's state, by position (state_io)
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.registry.params
-
     def local(self, i: int) -> torch.Tensor:
         """The tensor position ``i`` holds on this rank (the parameter itself here)."""
-        return self.params[i]
+        return self.registry.params[i]
 
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
-        return [self.params[i].numel() * 4 for i in indices]
+        return [self.registry.params[i].numel() * 4 for i in indices]
 
     # ------------------------------------------------------------- layout
     def chunk(self, indices: Sequence[int]) -> ChunkState:
@@ -205,7 +201,10 @@ class ChunkStore:
             a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
             if a < b:  # fp32 ``values``: a 16-bit parameter's sum is rounded once
                 dst, v = self.local(i).data.view(-1)[a - c.offsets[j] : b - c.offsets[j]], values[a - lo : b - lo]
-                dst.add_(v) if add and dst.dtype == torch.float32 else dst.copy_(dst.float() + v if add else v)
+                if add and dst.dtype == torch.float32:
+                    dst.add_(v)
+                else:
+                    dst.copy_(dst.float() + v if add else v)
 
     def release(self) -> None:
         """Forget the parameters and their state (the owner is closed)."""
@@ -493,7 +492,7 @@ class ShardedNodeAverager(RailAverager):
         self.index = comm.groups.local_rank
 
     def local(self, i: int) -> torch.Tensor:
-        p = self.params[i]
+        p = self.registry.params[i]
         return p.to_local() if hasattr(p, "to_local") else p
 
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:

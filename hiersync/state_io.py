@@ -276,10 +276,10 @@ def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
         if getattr(c, key) is not None or not all(i < len(whole) and whole[i] is not None for i in c.indices):
             continue
         for i in c.indices:
-            if tuple(whole[i].shape) != tuple(store.params[i].shape):
+            want = tuple(store.registry.params[i].shape)
+            if tuple(whole[i].shape) != want:
                 raise ValueError(
                     f"hiersync state_dict {key}[{i}] has shape {tuple(whole[i].shape)} but the model's parameter "
-                    f"{i} (in DDP's initial bucket order) has shape {tuple(store.params[i].shape)}: the checkpoint "
-                    "is from a different model"
+                    f"{i} (in DDP's initial bucket order) has shape {want}: the checkpoint is from a different model"
                 )
         setattr(c, key, store.stored(store.shard_of(c, [whole[i].to(device) for i in c.indices])))
