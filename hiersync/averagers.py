@@ -255,10 +255,10 @@ class RailAverager(ChunkStore):
     def needs_anchor(self) -> bool:
         return self.codec is not None or self.outer_lr is not None
 
-    def capture(self, chunks: Sequence[Sequence[int]]) -> None:
+    def capture(self, chunks: Callable[[], Sequence[Sequence[int]]]) -> None:
         if not self.needs_anchor:
             return
-        for idx in chunks:
+        for idx in chunks():
             c = self.chunk(idx)
             if c.anchor is None:
                 c.anchor = self.stored(self.shard_of(c))

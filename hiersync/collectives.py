@@ -55,13 +55,16 @@ INTRA, INTER = Level.INTRA, Level.INTER
 
 __all__ = ["HierComm", "collective_bytes"]
 
+_FACTORS = dict(all_reduce=2.0, reduce_scatter=1.0, all_gather=1.0, all_to_all=1.0, reduce=1.0, broadcast=1.0)
+
 
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
     """Bytes one rank sends for collective ``kind`` over ``group_size`` ranks on ``nbytes`` (the
     full input; an all-gather's full output): ``2 (p - 1) / p * n`` for an all-reduce, ``(p - 1) / p * n``
     for the others, 0 for a group of one (the cost model's bandwidth-optimal accounting)."""
-    factor = 2.0 if kind == "all_reduce" else 1.0
-    return 0 if group_size <= 1 else int(round(factor * (group_size - 1) / group_size * nbytes))
+    if group_size <= 1:
+        return 0
+    return int(round(_FACTORS[kind] * (group_size - 1) / group_size * nbytes))
 
 
 class HierComm:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .levels import HierLevel, hierarchy
 from .schedule import Schedule
-from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB, wire_format
+from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
@@ -158,8 +158,3 @@ class HierConfig:
     @property
     def chunk_bytes(self) -> int:
         return int(self.chunk_mb * MiB)
-
-    @property
-    def needs_anchor(self) -> bool:
-        """Whether the sync keeps an fp32 anchor per shard (delta compression or an outer step)."""
-        return wire_format(self.compress).bits is not None or self.outer_lr is not None

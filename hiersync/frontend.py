@@ -309,15 +309,13 @@ class SyncState:
         self.stats.count_step(kind, step)
         self._kind = None
         if kind != EXACT and self._capture_pending:
-            if self.config.needs_anchor:
-                self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
+            self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
         if kind != EXACT and self._optimizer is not None:
             names = due(self.config.levels, step)
             for lv in self.levels:  # after optimizer.step(), or before the next forward if it is skipped
                 if lv.level.name in names:
                     lv.engine.mark_due(step)
-                lv.engine.next_syncs = lv.level.schedule.is_sync(step + 1)
         self.step += 1
         return step
 

@@ -87,7 +87,7 @@ class WithOptimizerState:
     def chunk_bytes(self, indices: Sequence[int]) -> list[int]:
         return self.base.chunk_bytes(indices)
 
-    def capture(self, chunks: Sequence[Sequence[int]]) -> None:
+    def capture(self, chunks: Callable[[], Sequence[Sequence[int]]]) -> None:
         self.base.capture(chunks)
 
     def backup(self, indices: Sequence[int]) -> Callable[[], None]:

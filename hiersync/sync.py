@@ -160,8 +160,10 @@ class Averager(Protocol):
         """The fp32 bytes each position of ``indices`` adds to this rank's transfers."""
         ...
 
-    def capture(self, chunks: Sequence[Sequence[int]]) -> None:
-        """Remember the current values as the anchor of every chunk that has none yet."""
+    def capture(self, chunks: Callable[[], Sequence[Sequence[int]]]) -> None:
+        """Remember the current values as the anchor of every chunk of ``chunks()`` that has none
+        yet; without anchors to keep (no codec, no outer step), nothing (``chunks`` is not called:
+        it fixes the fragment layout)."""
         ...
 
     def backup(self, indices: Sequence[int]) -> Callable[[], None]:
@@ -246,9 +248,6 @@ class CrossNodeSync:
         manager mode: this node was healed into another place of the schedule)."""
         self.in_flight: list[Correction] = []
         self.due: tuple[int, tuple[int, ...]] | None = None  # (step, fragments) not launched yet
-        self.next_syncs: bool | None = None
-        """Whether the next step launches a sync here (a front-end says so at each step's end, with
-        the step's plan); None: :meth:`after_step` asks the schedule."""
         self._layout: list[list[int]] | None = None
         self._chunks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # by fragment, with the layout
         self._forward_hook: Any = None
@@ -294,8 +293,7 @@ class CrossNodeSync:
             apply_at = step + 1 + self.overlap if self.overlap else 0
             with torch.no_grad(), record_function("hiersync/sync_after_step"):
                 self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
-        keep = self.next_syncs if self.next_syncs is not None else self.schedule.is_sync(steps_done)
-        if not keep:  # the next step launches nothing: hold no idle buffers
+        if not self.schedule.is_sync(steps_done):  # the next step launches nothing: hold no idle buffers
             self.averager.trim()
 
     def launch_due(self, where: str = "") -> None:
@@ -385,7 +383,7 @@ class CrossNodeSync:
 
     def capture_anchor(self) -> None:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
-        self.averager.capture([idx for _, idx in self.chunks(range(self.schedule.fragments))])
+        self.averager.capture(lambda: [idx for _, idx in self.chunks(range(self.schedule.fragments))])
 
     def launch_now(self, step: int) -> list[Correction]:
         """Launch step ``step``'s average of every fragment now, overlapped (the sync step inside

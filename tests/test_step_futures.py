@@ -270,7 +270,7 @@ def test_sharded_state_dict_is_a_snapshot():
     params = [torch.nn.Parameter(torch.arange(6.0))]
     registry.register(params)
     avg = ReplicatedNodeAverager(comm, registry, outer_lr=0.7, outer_momentum=0.9)
-    avg.capture([[0]])
+    avg.capture(lambda: [[0]])
     with torch.no_grad():
         params[0].add_(1.0)
     avg.complete(avg.launch([0]))  # creates the momentum shard, moves the anchor
