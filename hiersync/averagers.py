@@ -78,7 +78,7 @@ class BufferPool:
             self._free.append(base)
 
     def trim(self) -> None:
-        """Free the buffers nobody holds (the next step starts no sync that would take them)."""
+        """Free the buffers nobody holds (no sync runs after this step to take them)."""
         with self._lock:
             self._free = []
 

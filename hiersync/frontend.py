@@ -311,11 +311,13 @@ class SyncState:
         if kind != EXACT and self._capture_pending:
             self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
-        if kind != EXACT and self._optimizer is not None:
-            names = due(self.config.levels, step)
-            for lv in self.levels:  # after optimizer.step(), or before the next forward if it is skipped
-                if lv.level.name in names:
+        if kind != EXACT:  # without an optimizer, a sync step's average was launched in the hook
+            names = due(self.config.levels, step) if self._optimizer is not None else ()
+            for lv in self.levels:
+                if lv.level.name in names:  # after optimizer.step(), or before the next forward if it is skipped
                     lv.engine.mark_due(step)
+                else:
+                    lv.engine.idle()
         self.step += 1
         return step
 

@@ -3,8 +3,8 @@
 Free of DDP and FSDP: it asks an :class:`Averager` (the one interface both front-ends
 implement, :mod:`hiersync.averagers`) to average *chunks* of the registered parameters
 across nodes, and a front-end tells it when a sync step's backward ended
-(:meth:`CrossNodeSync.mark_due`) and when ``optimizer.step()`` ran
-(:meth:`CrossNodeSync.after_step`). Each fragment's average runs
+(:meth:`CrossNodeSync.mark_due`; :meth:`CrossNodeSync.idle` when none of its syncs is due)
+and when ``optimizer.step()`` ran (:meth:`CrossNodeSync.after_step`). Each fragment's average runs
 
 * blocking (``overlap=0``): every rank holds identical parameters when it returns;
 * overlapped (``overlap=tau``): launched now and *in flight*; its *correction*
@@ -206,7 +206,7 @@ class Averager(Protocol):
     def load(self, state: dict[str, Any]) -> None: ...
 
     def trim(self) -> None:
-        """Free the host buffers kept for the next sync's reuse (the next step launches none)."""
+        """Free the host buffers kept for the next sync's reuse (no sync runs after this step)."""
         ...
 
     def release(self) -> None:
@@ -293,8 +293,11 @@ class CrossNodeSync:
             apply_at = step + 1 + self.overlap if self.overlap else 0
             with torch.no_grad(), record_function("hiersync/sync_after_step"):
                 self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
-        if not self.schedule.is_sync(steps_done):  # the next step launches nothing: hold no idle buffers
-            self.averager.trim()
+
+    def idle(self) -> None:
+        """A step's backward ended and none of this engine's syncs runs after it: free the host
+        buffers kept for the next sync's reuse (kept while syncs follow each other)."""
+        self.averager.trim()
 
     def launch_due(self, where: str = "") -> None:
         """If a due sync was not launched (``optimizer.step()`` skipped): launch it now, overlapped."""

@@ -135,7 +135,7 @@ class FakeComm:
         return completed(flat * self.target_scale)
 
 
-def _setup(period: int, **options):
+def _setup(period: int, attach: bool = True, **options):
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -143,7 +143,8 @@ def _setup(period: int, **options):
     state = HierState(period=period, comm=comm, **options)
     state._model = model
     model.register_comm_hook(state, hiersync.hook)
-    state.attach_optimizer(opt)
+    if attach:
+        state.attach_optimizer(opt)
     return model, opt, comm, state
 
 
@@ -155,8 +156,11 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_schedule_drives_the_collectives(world1):
-    model, opt, comm, state = _setup(period=3, warmup_steps=1)
+@pytest.mark.parametrize("attach", [True, False], ids=["after_optimizer_step", "in_the_hook"])
+def test_schedule_drives_the_collectives(world1, attach):
+    model, opt, comm, state = _setup(period=3, attach=attach, warmup_steps=1)
+    idle = state.engine.idle
+    state.engine.idle = lambda: (comm.calls.append("idle"), idle())  # frees host buffers no sync follows
     kinds = []
     for _ in range(5):  # exact, local, local, sync, local
         comm.calls.clear()
@@ -167,10 +171,12 @@ def test_schedule_drives_the_collectives(world1):
         kinds.append((in_backward, comm.calls[len(in_backward) :]))
     assert kinds == [
         (["exact"], []),
-        (["intra"], []),
-        (["intra"], []),
-        (["intra"], ["average"]),  # blocking: after optimizer.step(), not inside backward
-        (["intra"], []),
+        (["intra", "idle"], []),
+        (["intra", "idle"], []),
+        # blocking after optimizer.step(), not inside backward; without an optimizer, launched in
+        # the hook, and then nothing syncs after the step
+        (["intra"], ["average"]) if attach else (["intra", "average", "idle"], []),
+        (["intra", "idle"], []),
     ]
     assert state.stats.sync_steps == 1 and state.stats.recent_sync_steps[-1] == 3
 

@@ -195,6 +195,8 @@ def _run(kind: str, cfg: dict, steps: int, skip: tuple[int, ...] = (), save_at: 
             captured = True
         if kind_s == "sync":
             engine.mark_due(s)
+        elif kind_s == "local":
+            engine.idle()  # as the front-end does: nothing syncs after this step
         if s in skip:  # a GradScaler skipped optimizer.step(): no update, no after_step
             if kind_s == "sync":
                 due = sched.fragments_due(s) if sched.fragments > 1 else (0,)
@@ -287,6 +289,24 @@ def test_sync_sends_only_the_due_fragments():
     sent = engine.averager.comm.sent
     assert sent == [sum(SIZES[i] for i in engine.layout()[0])]
     assert [c.fragment for c in engine.in_flight] == [0] and engine.in_flight[0].apply_at == 2
+
+
+def test_host_buffers_stay_while_syncs_follow_each_other_and_go_after_a_step_without_one():
+    """The snapshot buffer is reused from one overlapped sync to the next (no new allocation to
+    fault in), the two fragments of different sizes taking turns in one buffer, and freed by
+    the first step after which nothing syncs."""
+    engine = _engine("replicated", dict(period=2, fragments=2, tau=1), _params())
+    pool = engine.averager._pool
+    engine.capture_anchor()
+    kept = []
+    for s in range(4):  # a fragment syncs after every step
+        engine.mark_due(s)
+        engine.after_step(s + 1)
+        assert len(pool._free) == 1, f"step {s}: the snapshot given back stays for the next sync"
+        kept.append(pool._free[0].untyped_storage().data_ptr())
+    assert len(set(kept[1:])) == 1, "from the larger fragment's first sync on, one buffer serves both"
+    engine.idle()
+    assert not pool._free, "a step after which nothing syncs frees the idle buffers"
 
 
 def test_per_parameter_state_of_an_older_checkpoint_binds_as_each_chunks_shard():
