@@ -11,6 +11,9 @@ guard's hooks around ``optimizer.step()``, checkpoints (:mod:`hiersync.state_io`
 
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +41,7 @@ from .vocab import StepKind
 __all__ = ["SyncState", "LevelEngine"]
 
 EXACT, SYNC = StepKind.EXACT, StepKind.SYNC
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,17 @@ class CheckpointAdapter(Protocol):
 
 CHECKPOINT_ADAPTERS: list[CheckpointAdapter] = []
 """The adapters :meth:`SyncState.state_dict` and :meth:`SyncState.load_state_dict` ask first, in order."""
+
+_OPEN: weakref.WeakSet[SyncState] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_states() -> None:
+    """A job that ends without ``close()``: end the syncs in flight before the interpreter tears
+    the groups down under them (collectives still running then abort the process: 'terminate
+    called without an active exception', a failed rank to torchrun)."""
+    for state in list(_OPEN):
+        state._close_at_exit()
 
 
 class SyncState:
@@ -124,6 +139,7 @@ class SyncState:
         self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
         self._closed = False
         self._check_layout()
+        _OPEN.add(self)
 
     def _check_topology(self, topology: Topology) -> None:
         """A front-end's requirement on the node layout (before any group is built)."""
@@ -262,9 +278,11 @@ class SyncState:
             lv.engine.apply_corrections()
 
     def close(self) -> None:
-        """Remove hiersync's hooks and destroy its process groups.
+        """Remove hiersync's hooks and destroy its process groups (before the job's
+        ``destroy_process_group()``, which destroys them under the syncs still in flight).
 
-        Syncs in flight are *not* applied: call :meth:`drain` (or ``synchronize``) first
+        Syncs in flight are *not* applied: their collectives are waited for (every node takes
+        part in them), their results dropped. Call :meth:`drain` (or ``synchronize``) first
         to keep them.
         """
         if self._closed:
@@ -277,6 +295,15 @@ class SyncState:
             lv.engine.close()  # and the registry: DDP keeps a hook's state alive as long as the model
         self.groups.destroy()
         self._model = self._optimizer = None
+
+    def _close_at_exit(self) -> None:
+        """The interpreter exits and this state is still open: close it (see ``_close_open_states``)."""
+        if not dist.is_initialized() and any(lv.engine.in_flight for lv in self.levels):
+            logger.warning(
+                "hiersync: the job destroyed its process groups with cross-node syncs still in flight, which "
+                "fail now; call state.close() (or state.drain() to keep them) before dist.destroy_process_group()"
+            )
+        self.close()
 
     def __enter__(self) -> SyncState:
         return self

@@ -330,6 +330,10 @@ class ManagerMode(SyncState):
                 registry.pop(STATE_KEY, None)
         super().close()
 
+    def _close_at_exit(self) -> None:
+        """Left to the job: settling the windows at exit could wait on a quorum of a Manager
+        already shut down."""
+
     def synchronize(self, model: torch.nn.Module | None = None) -> None:
         """:meth:`SyncState.synchronize` over the quorum, in one window: if it does not commit (a
         node died meanwhile) the parameters stay as they were, and a warning says so."""

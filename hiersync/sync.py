@@ -324,10 +324,19 @@ class CrossNodeSync:
     def close(self) -> None:
         """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
 
-        DDP keeps its comm hook's state alive as long as the DDP module lives, so a closed
-        state must not keep the model, its copies or the optimizer alive with it.
+        A sync in flight is dropped once its collectives have ended (nothing of it is applied):
+        the peers take part in them, and destroying the groups under them left the peers'
+        collectives, and the job's next one, waiting until their timeout. DDP keeps its comm
+        hook's state alive as long as the DDP module lives, so a closed state must not keep
+        the model, its copies or the optimizer alive with it.
         """
         self._unhook()
+        for c in self.in_flight:
+            if c.future is not None:
+                try:
+                    wait(c.future)
+                except Exception as e:  # a peer is gone: nothing of the sync is applied anyway
+                    logger.warning("hiersync: a cross-node sync in flight failed while closing: %s", e)
         self.in_flight, self.due, self._layout, self._chunks = [], None, None, {}
         self.averager.release()
 

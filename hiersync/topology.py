@@ -439,12 +439,14 @@ class Groups:
         return len(self.rail_ranks)
 
     def destroy(self) -> None:
-        """Destroy this rank's groups (local; collectives on them fail afterwards)."""
+        """Destroy this rank's groups (local; collectives on them fail afterwards). Nothing to do
+        once the job's ``destroy_process_group()`` destroyed its world, these groups with it."""
         import torch.distributed as dist
 
         mine = (self.intra, self.intra_late, self.rail, self.rack_rail)
-        for g in {id(g): g for g in mine if g is not None}.values():
-            dist.destroy_process_group(g)
+        if dist.is_initialized():
+            for g in {id(g): g for g in mine if g is not None}.values():
+                dist.destroy_process_group(g)
         self.intra = self.intra_late = self.rail = self.rack_rail = None
 
 

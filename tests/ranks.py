@@ -684,6 +684,35 @@ def synchronize_check(mode: str) -> dict:
     return {"differed_before": differed}
 
 
+def close_in_flight(drain: bool) -> dict:
+    """Streaming, a correction in flight at the end, one rank late to the last step: close()
+    (after drain() or not), then the job's own world collectives must still go through and
+    the process must exit cleanly."""
+    import time
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    state = hiersync.register(ddp, opt, period=2, fragments=2, overlap=1)
+    x = torch.randn(4, 64)
+    for step in range(4):
+        ddp(x).sum().backward()
+        if step == 3 and dist.get_rank() == 1:
+            time.sleep(0.5)  # this rank launches the last sync late: its node peer is closing by then
+        opt.step()
+        opt.zero_grad()
+    in_flight = len(state.engine.in_flight)
+    if drain:
+        state.drain()
+    before = _flat(ddp.parameters())
+    state.close()
+    assert torch.equal(_flat(ddp.parameters()), before), "close() applies nothing"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.barrier()
+    return {"in_flight": in_flight, "sum": float(t)}
+
+
 def scaler_overflow(mode: str, period: int, inject: list[int], steps: int) -> dict:
     """fp16 autocast + GradScaler, the plain loop; rank 1 overflows at the ``inject`` steps.
 

@@ -1,0 +1,70 @@
+"""The end of a job with cross-node syncs in flight (streaming, overlap 1): ``close()`` and an
+interpreter exit without it must leave the job's own collectives working and every rank exiting 0.
+
+2 emulated nodes x 2 ranks on loopback; the last step's sync is still in flight at the end, and
+one rank reaches it late, as ranks of a real job do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import ranks
+from harness import TOPOLOGIES, launch
+
+
+@pytest.mark.parametrize("drain", [False, True], ids=["dropped", "drained"])
+def test_close_with_a_sync_in_flight_leaves_the_jobs_collectives_working(drain):
+    """close() ends the collectives of the syncs in flight before it destroys its groups: a rank
+    that closed first used to leave its late node peer's gather, then the job's next world
+    collective, waiting until the timeout (or the process aborting at exit)."""
+    res = launch(ranks.close_in_flight, TOPOLOGIES["2x2"], drain, timeout=90.0, pg_timeout=20.0)
+    assert all(r == {"in_flight": 1, "sum": 4.0} for r in res), res
+
+
+_LEFT_OPEN = """
+import sys, time
+import torch, torch.distributed as dist
+import hiersync
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+state = hiersync.register(ddp, opt, period=2, fragments=2, overlap=1)
+for step in range(4):
+    ddp(torch.randn(4, 64)).sum().backward()
+    if step == 3 and dist.get_rank() == 1:
+        time.sleep(0.5)
+    opt.step()
+    opt.zero_grad()
+assert state.engine.in_flight
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.parametrize("end", ["destroy", "exit"])
+def test_a_job_that_never_closes_exits_cleanly_with_a_sync_in_flight(end, tmp_path):
+    """Interpreter exit with a sync in flight and the state never closed (after the job's own
+    destroy_process_group(), or without it): every rank exits 0 (it used to abort in teardown)."""
+    script = tmp_path / "left_open.py"
+    script.write_text(_LEFT_OPEN)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HIERSYNC_NODE_IDS="0,0,1,1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script), end]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not exit in 120 s:\n{out[-3000:]}")
+    assert out.count("trained") == 4 and "terminate called" not in out, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
