@@ -325,7 +325,7 @@ class CrossNodeSync:
         """Drop syncs in flight, the forward pre-hook and every reference to parameters and state.
 
         A sync in flight is dropped once its collectives have ended (nothing of it is applied):
-        the peers take part in them, and destroying the groups under them left the peers'
+        the peers take part in them, and destroying the groups under them leaves the peers'
         collectives, and the job's next one, waiting until their timeout. DDP keeps its comm
         hook's state alive as long as the DDP module lives, so a closed state must not keep
         the model, its copies or the optimizer alive with it.

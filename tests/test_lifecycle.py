@@ -20,8 +20,8 @@ from harness import TOPOLOGIES, launch
 @pytest.mark.parametrize("drain", [False, True], ids=["dropped", "drained"])
 def test_close_with_a_sync_in_flight_leaves_the_jobs_collectives_working(drain):
     """close() ends the collectives of the syncs in flight before it destroys its groups: a rank
-    that closed first used to leave its late node peer's gather, then the job's next world
-    collective, waiting until the timeout (or the process aborting at exit)."""
+    that destroys them first leaves its late node peer's gather, then the job's next world
+    collective, waiting until the timeout."""
     res = launch(ranks.close_in_flight, TOPOLOGIES["2x2"], drain, timeout=90.0, pg_timeout=20.0)
     assert all(r == {"in_flight": 1, "sum": 4.0} for r in res), res
 
@@ -52,7 +52,8 @@ print("trained", flush=True)
 @pytest.mark.parametrize("end", ["destroy", "exit"])
 def test_a_job_that_never_closes_exits_cleanly_with_a_sync_in_flight(end, tmp_path):
     """Interpreter exit with a sync in flight and the state never closed (after the job's own
-    destroy_process_group(), or without it): every rank exits 0 (it used to abort in teardown)."""
+    destroy_process_group(), or without it): every rank exits 0 (collectives still running at
+    teardown abort the process)."""
     script = tmp_path / "left_open.py"
     script.write_text(_LEFT_OPEN)
     env = dict(os.environ, OMP_NUM_THREADS="1", HIERSYNC_NODE_IDS="0,0,1,1")
