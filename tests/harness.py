@@ -8,7 +8,12 @@ failure. Keep worlds <= 4 (6 at most) and models tiny: the machine has two cores
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import warnings
+from collections.abc import Sequence
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +35,25 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 def launch(fn, node_ids, *args, timeout: float = 120.0, pg_timeout: float = 60.0, **kw):
     """Run ``fn(*args)`` on ``len(node_ids)`` ranks emulating ``node_ids``; return rank results."""
     return run(fn, len(node_ids), args, node_ids=node_ids, timeout=timeout, pg_timeout=pg_timeout, **kw)
+
+
+def torchrun(args: Sequence[str], nproc: int, env: dict[str, str], timeout: float, what: str, cwd=None) -> str:
+    """``torchrun --standalone --nproc-per-node nproc *args`` on loopback, its output; the test
+    fails unless it exits 0 within ``timeout`` seconds (then its whole process tree is killed:
+    it runs in a session of its own)."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout:.0f} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-3000:]}"
+    return out
 
 
 @pytest.fixture

@@ -2,55 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
+from harness import torchrun
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "elastic_train.py"
 
 
 def _torchrun(tmp: Path, name: str, crash_at: int) -> list[torch.Tensor]:
-    env = dict(os.environ, HIERSYNC_NODE_IDS="0,0,1,1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.5",
-        str(SCRIPT),
-        "--ckpt",
-        str(tmp / name / "ckpt"),
-        "--out",
-        str(tmp / name / "out"),
-        "--steps",
-        "12",
-        "--period",
-        "3",
-        "--ckpt-every",
-        "2",
-        "--crash-at",
-        str(crash_at),
-    ]
-    # start_new_session: on a timeout the whole process tree is killed, not only torchrun
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"torchrun {name} did not finish in 240 s")
-    assert proc.returncode == 0, out[-3000:]
+    args = ["--max-restarts", "1", "--monitor-interval", "0.5", str(SCRIPT)]
+    args += ["--ckpt", str(tmp / name / "ckpt"), "--out", str(tmp / name / "out"), "--steps", "12", "--period", "3"]
+    args += ["--ckpt-every", "2", "--crash-at", str(crash_at)]
+    out = torchrun(args, 4, {"HIERSYNC_NODE_IDS": "0,0,1,1"}, 240, f"torchrun {name}")
     if crash_at >= 0:
         assert "resumed at step 6 (restart 1)" in out, out[-3000:]
     return [torch.load(tmp / name / "out" / f"rank{r}.pt") for r in range(4)]

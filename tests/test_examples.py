@@ -8,39 +8,20 @@ per rank) on 2 ranks as 2 nodes x 1. Each must print a finite ``final val loss``
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--steps", "8", "--text-mb", "0.5", "--eval-batches", "4", "--batch-size", "8", "--period", "2"]
 
 
 def _run(script: str, nproc: int, *extra: str, timeout: float = 90.0) -> tuple[float, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["HIERSYNC_NODE_IDS"] = ",".join(str(r * 2 // nproc) for r in range(nproc))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = subprocess.Popen(
-        [*cmd, str(ROOT / "examples" / script), *FAST, *extra],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish in {timeout} s:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
+    nodes = ",".join(str(r * 2 // nproc) for r in range(nproc))
+    args = [str(ROOT / "examples" / script), *FAST, *extra]
+    out = torchrun(args, nproc, {"HIERSYNC_NODE_IDS": nodes}, timeout, script, cwd=ROOT)
     initial = re.search(r"^initial val loss (\S+)$", out, re.M)
     final = re.search(r"^final val loss (\S+)$", out, re.M)
     assert initial and final, out[-3000:]

@@ -9,13 +9,11 @@ uninterrupted run for the resumed ones, bit for bit.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from harness import torchrun
 
 pytest.importorskip("transformers")
 
@@ -26,25 +24,8 @@ STEPS, SAVE_AT, PERIOD = 12, 6, 4  # as in hf_trainer_ranks.py
 @pytest.fixture(scope="module")
 def trainer_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_trainer")
-    env = dict(os.environ, HIERSYNC_NODE_IDS="0,0,1,1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    # start_new_session: on a timeout the whole process tree is killed, not only torchrun
-    proc = subprocess.Popen(
-        [*cmd, str(ROOT / "tests" / "hf_trainer_ranks.py"), str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the HF Trainer job did not finish in 240 s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    args = [str(ROOT / "tests" / "hf_trainer_ranks.py"), str(out)]
+    torchrun(args, 4, {"HIERSYNC_NODE_IDS": "0,0,1,1"}, 240, "the HF Trainer job", cwd=ROOT)
     checkpoint = out / "run" / f"checkpoint-{SAVE_AT}"
     for r in range(4):  # each rank's own state beside the Trainer's files
         assert (checkpoint / f"hiersync-rank{r}-of-4.pt").is_file(), sorted(os.listdir(checkpoint))

@@ -7,14 +7,9 @@ one rank reaches it late, as ranks of a real job do.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import ranks
-from harness import TOPOLOGIES, launch
+from harness import TOPOLOGIES, launch, torchrun
 
 
 @pytest.mark.parametrize("drain", [False, True], ids=["dropped", "drained"])
@@ -56,16 +51,5 @@ def test_a_job_that_never_closes_exits_cleanly_with_a_sync_in_flight(end, tmp_pa
     teardown abort the process)."""
     script = tmp_path / "left_open.py"
     script.write_text(_LEFT_OPEN)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HIERSYNC_NODE_IDS="0,0,1,1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script), end]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job did not exit in 120 s:\n{out[-3000:]}")
+    out = torchrun([str(script), end], 4, {"HIERSYNC_NODE_IDS": "0,0,1,1"}, 120, "the job")
     assert out.count("trained") == 4 and "terminate called" not in out, out[-3000:]
-    assert proc.returncode == 0, out[-3000:]
