@@ -41,7 +41,7 @@ def torchrun(args: Sequence[str], nproc: int, env: dict[str, str], timeout: floa
     """``torchrun --standalone --nproc-per-node nproc *args`` on loopback, its output; the test
     fails unless it exits 0 within ``timeout`` seconds (then its whole process tree is killed:
     it runs in a session of its own)."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **env)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
