@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -684,12 +685,9 @@ def synchronize_check(mode: str) -> dict:
     return {"differed_before": differed}
 
 
-def close_in_flight(drain: bool) -> dict:
-    """Streaming, a correction in flight at the end, one rank late to the last step: close()
-    (after drain() or not), then the job's own world collectives must still go through and
-    the process must exit cleanly."""
-    import time
-
+def streaming_with_a_sync_in_flight() -> tuple[DDP, hiersync.HierState]:
+    """Streaming (k=2, F=2, tau=1) for 4 steps, rank 1 late to the last one: the last sync is
+    still in flight at the end, and its node peer is further on by the time rank 1 launches it."""
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -698,9 +696,16 @@ def close_in_flight(drain: bool) -> dict:
     for step in range(4):
         ddp(x).sum().backward()
         if step == 3 and dist.get_rank() == 1:
-            time.sleep(0.5)  # this rank launches the last sync late: its node peer is closing by then
+            time.sleep(0.5)
         opt.step()
         opt.zero_grad()
+    return ddp, state
+
+
+def close_in_flight(drain: bool) -> dict:
+    """close() (after drain() or not) with a sync in flight: it applies nothing, and the job's
+    own world collectives still go through."""
+    ddp, state = streaming_with_a_sync_in_flight()
     in_flight = len(state.engine.in_flight)
     if drain:
         state.drain()

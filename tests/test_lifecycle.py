@@ -7,9 +7,14 @@ one rank reaches it late, as ranks of a real job do.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import ranks
 from harness import TOPOLOGIES, launch, torchrun
+
+TESTS = Path(__file__).resolve().parent  # the job imports ranks from here
 
 
 @pytest.mark.parametrize("drain", [False, True], ids=["dropped", "drained"])
@@ -22,21 +27,12 @@ def test_close_with_a_sync_in_flight_leaves_the_jobs_collectives_working(drain):
 
 
 _LEFT_OPEN = """
-import sys, time
-import torch, torch.distributed as dist
-import hiersync
+import sys
+import torch.distributed as dist
+import ranks
 
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)))
-opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-state = hiersync.register(ddp, opt, period=2, fragments=2, overlap=1)
-for step in range(4):
-    ddp(torch.randn(4, 64)).sum().backward()
-    if step == 3 and dist.get_rank() == 1:
-        time.sleep(0.5)
-    opt.step()
-    opt.zero_grad()
+ddp, state = ranks.streaming_with_a_sync_in_flight()
 assert state.engine.in_flight
 if sys.argv[1] == "destroy":
     dist.destroy_process_group()
@@ -51,5 +47,9 @@ def test_a_job_that_never_closes_exits_cleanly_with_a_sync_in_flight(end, tmp_pa
     teardown abort the process)."""
     script = tmp_path / "left_open.py"
     script.write_text(_LEFT_OPEN)
-    out = torchrun([str(script), end], 4, {"HIERSYNC_NODE_IDS": "0,0,1,1"}, 120, "the job")
+    env = {
+        "HIERSYNC_NODE_IDS": "0,0,1,1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = torchrun([str(script), end], 4, env, 120, "the job")
     assert out.count("trained") == 4 and "terminate called" not in out, out[-3000:]
