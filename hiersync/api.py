@@ -61,6 +61,12 @@ def register(
         from .ft import register_with_manager  # the inter-node leg on torchft (survives node loss)
 
         return register_with_manager(model, optimizer, manager, **options)
+    for name in ("start_nodes", "heartbeat_timeout"):
+        if name in options:
+            raise ValueError(
+                f"{name}={options[name]!r} belongs to the manager mode: pass it with manager=torchft.Manager(...), "
+                "or drop it (without a manager there is no quorum to wait for)"
+            )
     if is_fsdp2(model):
         if optimizer is None:
             raise TypeError(

@@ -44,12 +44,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from . import state_io
+from . import ftcompat, state_io
 from .collectives import HierComm
 from .config import HierConfig
 from .ddp import HierState, hook
@@ -59,7 +60,7 @@ from .fsdp import FSDPState, is_fsdp2
 from .futures import HierSyncError
 from .stats import Stats
 from .topology import Topology, world_timeout
-from .transport import Marker, TorchftRail, Window, import_torchft
+from .transport import HEARTBEAT_TIMEOUT_S, Marker, TorchftRail, Window, import_torchft
 from .vocab import StepKind
 
 __all__ = ["FTStats", "FaultTolerantState", "FaultTolerantFSDPState", "register_with_manager", "STATE_KEY"]
@@ -139,15 +140,14 @@ class ManagerMode(SyncState):
         nodes are in its first quorum, so that they all start together; a node that joins a
         running job is healed at once whatever ``start_nodes`` says.
         """
-        registered = getattr(self.manager, "_user_state_dicts", {})
+        registered = ftcompat.registered_states(self.manager)
         if self.rank == 0 and not set(registered) - {STATE_KEY}:
             logger.warning(
                 "hiersync: the torchft Manager has no state_dict for the model and optimizer: a node that joins gets "
                 "only hiersync's state; pass load_state_dict= and state_dict= to torchft.Manager"
             )
         first = Marker("exact", self.step) if self.schedule.kind(self.step) == EXACT else Marker("start", self.step)
-        limit = getattr(self.manager, "_quorum_timeout", None)
-        deadline = time.monotonic() + (limit.total_seconds() if limit is not None else 60.0)
+        deadline = time.monotonic() + ftcompat.quorum_timeout(self.manager).total_seconds()
         window = self._open(first)
         while window.marker == first and window.participants < start_nodes and time.monotonic() < deadline:
             # Not everyone is up yet: abandon this quorum (no collective but the barrier ran in
@@ -326,8 +326,7 @@ class ManagerMode(SyncState):
         can serve another hiersync state then), then close as the front-end does."""
         if not self._closed:
             self.rail.settle()  # every node votes as often as the others: torchft's step stays in lockstep
-            for registry in (self.manager._load_state_dict_fns, self.manager._user_state_dicts):
-                registry.pop(STATE_KEY, None)
+            ftcompat.unregister_state(self.manager, STATE_KEY)
         super().close()
 
     def _close_at_exit(self) -> None:
@@ -357,10 +356,13 @@ class FaultTolerantFSDPState(ManagerMode, FSDPState):
     _REPLICATED = False
 
 
-def _manager_comm(manager: Any, options: dict[str, Any]) -> tuple[HierComm, TorchftRail]:
+def _manager_comm(
+    manager: Any, options: dict[str, Any], heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S
+) -> tuple[HierComm, TorchftRail]:
     """The node's groups (a one-node topology over its world) and a rail on ``manager``'s group."""
     import_torchft()
     _check_manager(manager)
+    ftcompat.check(manager)
     for name in ("process_group", "topology", "comm"):
         if options.get(name) is not None:
             raise ValueError(
@@ -375,7 +377,7 @@ def _manager_comm(manager: Any, options: dict[str, Any]) -> tuple[HierComm, Torc
         )
     topology = Topology(nodes=(tuple(range(dist.get_world_size())),), source="this node's world, a replica group")
     groups = topology.build_groups(None, timeout=cfg.timeout or world_timeout())
-    rail = TorchftRail(manager, log=groups.local_rank == 0)
+    rail = TorchftRail(manager, log=groups.local_rank == 0, contact=timedelta(seconds=heartbeat_timeout))
     return HierComm(groups, FTStats(), intra_algorithm=cfg.intra_algorithm, rail=rail), rail
 
 
@@ -384,16 +386,26 @@ def register_with_manager(
     optimizer: torch.optim.Optimizer | None,
     manager: Any,
     start_nodes: int = 1,
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
     **options: Any,
 ) -> ManagerMode:
     """:func:`hiersync.register` with ``manager=``: build, hook, attach, and hold the first quorum.
 
     ``model``: DDP over this node's world, or an FSDP2 module sharded over
     :func:`hiersync.node_mesh`. ``start_nodes``: a starting job waits until that many nodes
-    are in its first quorum (:meth:`ManagerMode.join`).
+    are in its first quorum (:meth:`ManagerMode.join`). ``heartbeat_timeout``: the
+    Lighthouse's (``--heartbeat_timeout_ms`` / 1000, seconds; torchft's default 5): a quorum
+    member that has not answered within it (its group's rendezvous, a heal's first contact, the
+    barrier that opens a window) is taken for dead and the window is dropped, instead of
+    waiting for the Manager's timeout, which stays the bound of the window's data.
     """
     if isinstance(start_nodes, bool) or not isinstance(start_nodes, int) or start_nodes < 1:
         raise ValueError(f"start_nodes={start_nodes!r} must be an int >= 1 (the nodes a starting job waits for)")
+    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int | float) or heartbeat_timeout <= 0:
+        raise ValueError(
+            f"heartbeat_timeout={heartbeat_timeout!r} must be a number of seconds > 0: the Lighthouse's "
+            "--heartbeat_timeout_ms divided by 1000 (torchft's default is 5)"
+        )
     if optimizer is None:
         raise TypeError(
             "hiersync.register(model, optimizer, manager=...) needs the optimizer: a window's commit decides "
@@ -410,7 +422,7 @@ def register_with_manager(
             "hiersync.register(..., manager=...) needs a DistributedDataParallel model over this node's world or an "
             f"FSDP2 module (fully_shard over hiersync.node_mesh()), got {type(model).__name__}"
         )
-    comm, rail = _manager_comm(manager, options)
+    comm, rail = _manager_comm(manager, options, float(heartbeat_timeout))
     optimizer = unwrap_optimizer(optimizer)
     state: ManagerMode
     if fsdp:
@@ -439,7 +451,7 @@ def _check_manager(manager: Any) -> None:
     for name in ("start_quorum", "should_commit", "register_state_dict_fn", "num_participants"):
         if not callable(getattr(manager, name, None)):
             raise TypeError(f"manager= must be a torchft.Manager, got {type(manager).__name__} (no {name}())")
-    if getattr(manager, "_use_async_quorum", False):
+    if ftcompat.async_quorum(manager):
         raise ValueError(
             "hiersync needs a synchronous quorum: build torchft.Manager(..., use_async_quorum=False) (as torchft's "
             "own DiLoCo requires): a window's members must be known before its averages are launched"

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import ftcompat
 from .futures import HierSyncError, all_gather, completed, issue, then, wait
 
 __all__ = ["Marker", "Window", "Transport", "GroupRail", "TorchftRail", "stale_step", "import_torchft"]
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 QUORUM_ATTEMPT_S = 10.0
 """The longest one request for a torchft quorum waits before it is asked again (within the
 Manager's ``quorum_timeout``)."""
+HEARTBEAT_TIMEOUT_S = 5.0
+"""The Lighthouse's heartbeat timeout hiersync assumes when not told (torchft's default,
+``torchft_lighthouse --heartbeat_timeout_ms 5000``): the *contact* bound of a window."""
 
 
 def import_torchft() -> Any:
@@ -258,14 +262,28 @@ class TorchftRail:
     """The rail on a ``torchft.Manager``'s process group: quorums, commits, failures kept in the window.
 
     ``on_vote(window)`` is called once a window is decided (the front-end's counters).
+    ``contact``: how long a window waits for a member to answer before it is dropped (the
+    Lighthouse's heartbeat timeout: a member silent that long is declared dead anyway, and the
+    next quorum goes on without it). It bounds the steps that find out who is alive: torchft's
+    configuration of the quorum's process group (its store, the group's rendezvous), a joiner's
+    first contact with its heal source and each read of the state, and the barrier that opens
+    the window. The window's data collectives, once every member answered, keep the Manager's
+    own timeout (long: a large model's average may take it).
     """
 
     droppable = True
     across_nodes = True
     world_group = None  # torchft reconfigures one group per rail; none spans the nodes' ranks
 
-    def __init__(self, manager: Any, on_vote: Callable[[Window], None] = lambda w: None, log: bool = False) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        on_vote: Callable[[Window], None] = lambda w: None,
+        log: bool = False,
+        contact: timedelta = timedelta(seconds=HEARTBEAT_TIMEOUT_S),
+    ) -> None:
         self.manager = manager
+        self.contact = contact
         self.on_vote = on_vote
         self.log = log  # this rank logs quorum changes (local rank 0 of each node)
         self.window: Window | None = None
@@ -292,18 +310,26 @@ class TorchftRail:
         return f"torchft quorum {w.quorum_id if w else '?'}"
 
     def _issue(
-        self, op: Callable[..., Any], out: torch.Tensor, *inputs: torch.Tensor, what: str
+        self,
+        op: Callable[..., Any],
+        opts: Any,
+        out: torch.Tensor,
+        *inputs: torch.Tensor,
+        what: str,
+        limit: timedelta | None = None,
     ) -> torch.futures.Future:
-        """Launch ``op(out, *inputs)`` (a torchft work) in the current window; the future never fails.
+        """Launch ``op(opts, out, *inputs)`` (a torchft work) in the current window; the future never fails.
 
-        A failure (a peer killed or frozen, the group reconfigured) is recorded in the window
-        and the future completes with ``[out]`` holding whatever the collective left there:
-        garbage nobody applies, since the window then does not commit.
+        ``limit``: how long it may take (default: the Manager's timeout, the data's). A failure
+        (a peer killed or frozen, the group reconfigured) is recorded in the window and the
+        future completes with ``[out]`` holding whatever the collective left there: garbage
+        nobody applies, since the window then does not commit.
         """
         window = self.window
         assert window is not None, "a rail collective outside a window"
         try:
-            fut = issue(lambda *ts, async_op=True: op(*ts), out, *inputs, what=what)
+            with ftcompat.op_timeout(self.manager, opts, limit or ftcompat.timeout(self.manager)):
+                fut = issue(lambda *ts, async_op=True: op(opts, *ts), out, *inputs, what=what)
         except Exception as e:  # e.g. the group is gone: its reconfiguration failed in the quorum
             window.fail(e, what)
             return completed([out], out.device)
@@ -324,36 +350,37 @@ class TorchftRail:
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs type it as RedOpType
         if not self.contributes():  # a node healed in this window's quorum adds nothing to its sums
             tensor.zero_()
-        return self._issue(lambda t: self._pg().allreduce([t], opts), tensor, what=what)
+        return self._issue(lambda o, t: self._pg().allreduce([t], o), opts, tensor, what=what)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
         from torch.distributed.distributed_c10d import AllToAllOptions
 
-        op = lambda o, t: self._pg().alltoall_base(o, t, [], [], AllToAllOptions())
-        return self._issue(op, out, tensor, what=what)
+        op = lambda opts, o, t: self._pg().alltoall_base(o, t, [], [], opts)
+        return self._issue(op, AllToAllOptions(), out, tensor, what=what)
 
-    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
+    def all_gather(
+        self, out: torch.Tensor, tensor: torch.Tensor, what: str, limit: timedelta | None = None
+    ) -> torch.futures.Future:
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        op = lambda o, t: self._pg().allgather([list(o.chunk(self.nodes()))], [t], AllgatherOptions())
-        return self._issue(op, out, tensor, what=what)
+        op = lambda opts, o, t: self._pg().allgather([list(o.chunk(self.nodes()))], [t], opts)
+        return self._issue(op, AllgatherOptions(), out, tensor, what=what, limit=limit)
 
     def _pg(self) -> Any:
-        return self.manager._pg  # torchft has no public accessor for the group it reconfigures
+        return ftcompat.process_group(self.manager)
 
     # ------------------------------------------------------------- windows
     def quorum(self, marker: Marker) -> None:
         """Decide every open window, then hold torchft's quorum for ``marker`` (may heal this node)."""
         self.settle()
-        limit = getattr(self.manager, "_quorum_timeout", None)
-        total = limit.total_seconds() if limit is not None else 60.0
-        deadline = time.monotonic() + total
+        deadline = time.monotonic() + ftcompat.quorum_timeout(self.manager).total_seconds()
         while True:
             # In attempts of QUORUM_ATTEMPT_S: a request in flight when the Lighthouse dies is never
             # answered, so a Lighthouse restarted at the same address is reached by asking again.
             left = deadline - time.monotonic()
             try:
-                self.manager.start_quorum(timeout=timedelta(seconds=max(0.1, min(QUORUM_ATTEMPT_S, left))))
+                with ftcompat.bounded(self.manager, self.contact):  # a dead member costs the contact bound
+                    self.manager.start_quorum(timeout=timedelta(seconds=max(0.1, min(QUORUM_ATTEMPT_S, left))))
                 return
             except Exception as err:  # the Lighthouse is gone or slow: torchft's error, kept for the message
                 e = err
@@ -367,7 +394,7 @@ class TorchftRail:
                     str(e).strip().splitlines()[-1][:200] if str(e).strip() else "",
                     deadline - time.monotonic(),
                 )
-            self.manager._quorum_future = None  # torchft re-raises a failed quorum at the next start_quorum
+            ftcompat.forget_failed_quorum(self.manager)
             time.sleep(0.5)
         address = os.environ.get("TORCHFT_LIGHTHOUSE", "the lighthouse_addr= given to torchft.Manager")
         raise HierSyncError(
@@ -386,7 +413,7 @@ class TorchftRail:
         """
         manager = self.manager
         participants = max(1, int(manager.num_participants()))
-        window = self._new(marker, int(getattr(manager, "_quorum_id", -1)), participants)
+        window = self._new(marker, ftcompat.quorum_id(manager), participants)
         self._log_members(window)
         # Holds every member until a joiner healed in this quorum has its copy (torchft serves
         # the live tensors of a CPU model until the next should_commit), counts who contributes and
@@ -395,7 +422,10 @@ class TorchftRail:
         # windows) cannot tell; averaging its step s with their s + k would mix two places.
         row = torch.tensor([1.0 if contributes else 0.0, float(marker.step)], dtype=torch.float64, device=device)
         rows = torch.zeros(participants * 2, dtype=torch.float64, device=device)
-        wait(self.all_gather(rows, row, "the rail barrier after the quorum"))
+        failed = manager.errored() if hasattr(manager, "errored") else None
+        if failed is not None:  # torchft's configuration of this quorum's group or a heal failed (within contact)
+            window.fail(getattr(failed, "original_exception", failed), "torchft's quorum")
+        wait(self.all_gather(rows, row, "the rail barrier after the quorum", limit=self.contact))
         window.contributes = contributes
         if window.error:  # a failed barrier leaves garbage; its window never commits, so its divisor is moot
             window.contributors = participants
@@ -477,9 +507,7 @@ class TorchftRail:
     # ------------------------------------------------------------- log
     def _log_members(self, window: Window) -> None:
         """Local rank 0 of each node logs the nodes that left and joined (from the replica ids' numbers)."""
-        ranks = getattr(self._pg(), "_global_ranks", None)
-        size = max(1, int(getattr(self.manager, "_group_world_size", 1)))
-        members = sorted({int(r) // size for r in ranks}) if ranks else None
+        members = ftcompat.members(self.manager)
         before, self._members = self._members, members
         if not self.log or before == members:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -108,8 +109,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train ``cfg["steps"]`` steps with hiersync on the torchft manager; record parameters per step.
 
     ``announce``: a file this node creates right before it registers (a restarted node says it
-    is up); ``hold``: ``{"step": s, "path": p}``, wait before step ``s`` until ``p`` exists (the
-    survivors are still training when the restarted node asks for its first quorum);
+    is up); ``hold``: ``{"step": s, "path": p, "then": t}``, wait before step ``s`` until ``p`` exists
+    and ``t`` s more (the survivors are still training when the restarted node asks for its first
+    quorum); ``kill``: ``{"how": "first_quorum"}`` dies 0.5 s after it asked for its first quorum;
     ``final_synchronize``: end with ``state.synchronize`` (the result's ``final``).
     """
     node, rank = ft_nodes.node_index(), dist.get_rank()
@@ -142,6 +144,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         except hiersync.HierSyncError as e:
             return {"error": str(e)}
         return {"error": None}
+    if cfg.get("kill", {}).get("how") == "first_quorum":  # dies while the Lighthouse holds its first request
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if cfg.get("announce") and rank == 0:
         open(cfg["announce"], "w").close()
     state = hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
@@ -161,6 +165,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         hold = cfg.get("hold")
         if hold and s == hold["step"]:
             _wait_for(hold["path"], "the restarted node")
+            time.sleep(hold.get("then", 0.0))
         x, y = batch(node, rank, s, cfg.get("shift", 0.0))
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()

@@ -134,6 +134,44 @@ def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
     assert timeout_s * 0.8 <= gap <= timeout_s + 5.0, gap
 
 
+@pytest.mark.parametrize("victim", [2, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_quorum_holding_a_dead_member_costs_the_heartbeat_not_the_rail_timeout(tmp_path, victim):
+    """A node dies at step 2 and its restart dies 0.5 s after asking for its first quorum; its peers,
+    held until it asked, ask 1.5 s after it, before its heartbeat (3 s) expires. So torchft's new quorum
+    holds a dead member, and configuring its group (node 0 dead: the group's store; node 2 dead: the
+    rendezvous) fails after the contact bound (``heartbeat_timeout``, 3 s), not after the Manager's
+    120 s: the survivors drop that one sync and go on as 2-node local SGD."""
+    rail_s, heartbeat_s, kill_at, hold_at = 120.0, 3.0, 2, 9
+    asked = str(tmp_path / "restart-asked")
+    opts = {"period": 2, "heartbeat_timeout": heartbeat_s}
+    cfg = _cfg(tmp_path, 3, steps=14, step_sleep=0.05, options=opts, timeout_s=rail_s)
+    cfg.update(
+        kill={"node": victim, "step": kill_at, "how": "local"}, hold={"step": hold_at, "path": asked, "then": 1.5}
+    )
+    survivors = [n for n in range(3) if n != victim]
+    with (
+        Lighthouse(min_replicas=1, heartbeat_timeout_ms=int(heartbeat_s * 1000), join_timeout_ms=60000) as lh,
+        Nodes(lh.address, procs_per_node=1) as nodes,
+    ):
+        for n in range(3):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        for n in survivors:
+            nodes.wait_step(n, kill_at + 2, timeout=60)
+        doomed = dict(cfg, start_barrier=None, hold=None, announce=asked, kill={"node": victim, "how": "first_quorum"})
+        nodes.start(victim, ft_ranks.train, (doomed,))
+        out = nodes.wait(survivors, timeout=rail_s / 2)  # waiting out the rail's timeout would not finish
+    dropped_at = hold_at if hold_at % 2 else hold_at + 1  # the sync after the step the survivors were held at
+    ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s < kill_at else survivors, dropped={dropped_at})
+    for n in survivors:
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+        stats = out[n][0]["stats"]
+        assert stats["failed_syncs"] == 1 and stats["sync_participants"] == 2, stats
+        dropped = [w for w in out[n][0]["warnings"] if f"after step {dropped_at} did not commit" in w]
+        assert len(dropped) == 1 and "3000ms" in dropped[0], dropped  # the contact bound, not 120 s
+
+
 @pytest.mark.parametrize("frontend", ["ddp", "fsdp"])
 def test_two_nodes_of_two_ranks_lose_one_and_get_it_back(tmp_path, frontend):
     """2 nodes x 2 ranks: node 1 dies at a local step, node 0 trains on alone (its own local steps),

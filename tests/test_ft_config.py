@@ -153,3 +153,88 @@ def test_which_step_goes_on(mine, steps, goes_on):
     verdict = stale_step(mine, steps)
     assert (verdict is None or not verdict[1]) == goes_on
     assert (verdict is None) == (len(set(steps)) == 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "5", True])
+def test_heartbeat_timeout_must_be_seconds(bad):
+    pytest.importorskip("torchft")
+    with pytest.raises(ValueError, match=r"heartbeat_timeout=.*--heartbeat_timeout_ms"):
+        register_with_manager(
+            torch.nn.Linear(2, 2),
+            torch.optim.SGD([torch.zeros(1)], lr=0.1),
+            _FakeManager(),
+            heartbeat_timeout=bad,
+            period=4,
+        )
+
+
+@pytest.mark.parametrize("name", ["start_nodes", "heartbeat_timeout"])
+def test_manager_options_without_a_manager_are_refused(name):
+    import hiersync
+
+    ddp = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=f"{name}=.*manager="):
+        hiersync.register(ddp, None, period=4, **{name: 2})
+
+
+def test_a_torchft_without_a_member_hiersync_uses_names_it_and_the_version(monkeypatch):
+    """A torchft release that renamed a private member hiersync reads is refused at register, with
+    the member, the installed version and the tested ones named (not an AttributeError mid-sync)."""
+    torchft = pytest.importorskip("torchft")
+    from hiersync import ftcompat
+
+    manager = object.__new__(torchft.Manager)  # no __init__: no Lighthouse, no store
+    for name in ftcompat.USED:
+        setattr(manager, name, None)
+    manager._pg = torchft.ProcessGroupGloo()
+    ftcompat.check(manager)  # every member there: accepted
+    del manager._quorum_timeout
+    with pytest.raises(RuntimeError, match=r"Manager\._quorum_timeout .* missing in torchft 0\.2.*tested with"):
+        ftcompat.check(manager)
+
+
+def test_bounded_sets_the_contact_bound_for_the_quorum_and_puts_the_timeouts_back():
+    """While torchft holds the quorum (configures its group, heals), the group's and the Manager's
+    timeouts are the contact bound; after it, the long ones again (the window's data uses them)."""
+    from datetime import timedelta
+
+    torchft = pytest.importorskip("torchft")
+    from hiersync import ftcompat
+
+    long, contact = timedelta(seconds=60), timedelta(seconds=5)
+    manager = object.__new__(torchft.Manager)
+    manager._pg, manager._timeout, manager._connect_timeout = torchft.ProcessGroupGloo(timeout=long), long, long
+    seen = []
+    with ftcompat.bounded(manager, contact):
+        seen.append((manager._pg._timeout, manager._timeout, manager._connect_timeout))
+    assert seen == [(contact, contact, contact)]
+    assert (manager._pg._timeout, manager._timeout, manager._connect_timeout) == (long, long, long)
+    with pytest.raises(KeyError), ftcompat.bounded(manager, contact):
+        raise KeyError("a failed quorum")
+    assert (manager._pg._timeout, manager._timeout) == (long, long)  # put back on a failure too
+    with ftcompat.bounded(manager, timedelta(seconds=600)):  # never longer than the user's own
+        assert manager._timeout == long
+
+
+def test_the_barrier_runs_under_the_contact_bound_and_the_data_under_the_managers_timeout():
+    from datetime import timedelta
+
+    from hiersync.transport import TorchftRail
+
+    limits = []
+
+    class PG(_BarrierPG):
+        def allgather(self, outs, ins, opts):
+            limits.append(("gather", opts.timeout))
+            return super().allgather(outs, ins, opts)
+
+        def allreduce(self, ts, opts):
+            limits.append(("reduce", opts.timeout))
+            return _Done(ts)
+
+    manager = _Manager([[1, 4], [1, 4]])
+    manager._pg, manager._timeout = PG([[1, 4], [1, 4]]), timedelta(seconds=60)
+    rail = TorchftRail(manager, contact=timedelta(seconds=3))
+    rail.open(Marker("sync", 4, (0,)), torch.device("cpu"))
+    rail.allreduce(torch.ones(2), "the average").wait()
+    assert limits == [("gather", timedelta(seconds=3)), ("reduce", timedelta(seconds=60))]
