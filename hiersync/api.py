@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .ddp import HierState, hook
-from .ddp_checks import unwrap_optimizer
+from .config import HierConfig
+from .ddp_checks import check_optimizer_needed, unwrap_optimizer
 from .frontend import SyncState
 from .fsdp import FSDPState, is_fsdp2, node_mesh
 from .futures import HierSyncError
@@ -91,6 +92,9 @@ def register(
             f"hiersync averages over the whole world ({dist.get_world_size()} ranks) but this DDP model "
             f"syncs a process group of {ddp_group.size()} ranks; build DDP without process_group=..."
         )
+    if optimizer is None:  # refused here, before any group is built, rather than at the first step
+        config = {k: v for k, v in options.items() if k not in ("process_group", "topology", "comm")}
+        check_optimizer_needed(HierConfig(**config), "pass it: hiersync.register(model, optimizer, ...)")
     state = HierState(**options)
     state._model = model
     model.register_comm_hook(state, hook)

@@ -20,6 +20,7 @@ __all__ = [
     "unwrap_optimizer",
     "check_attachable",
     "check_usable",
+    "check_optimizer_needed",
     "check_bucket",
     "check_same_device",
     "check_optimizer_owns",
@@ -69,18 +70,23 @@ def check_usable(state: SyncState) -> None:
             "ranks): its subgroups died with that group. Build a new HierState (and register the hook "
             "again) after every init_process_group, e.g. after an elastic restart"
         )
-    cfg = state.config
-    if cfg.average_optimizer_state and state._optimizer is None:
-        raise RuntimeError(
-            f"HierState(average_optimizer_state={cfg.average_optimizer_state!r}) needs the optimizer: call "
-            "state.attach_optimizer(optimizer) before training (or hiersync.register(model, optimizer, ...))"
-        )
-    if (cfg.overlap or cfg.fragments > 1) and state._optimizer is None:
-        raise RuntimeError(
-            f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after "
-            "optimizer.step(); call state.attach_optimizer(optimizer) before training (or hiersync.register(model, "
-            "optimizer, ...))"
-        )
+    if state._optimizer is None:
+        fix = "call state.attach_optimizer(optimizer) before training (or hiersync.register(model, optimizer, ...))"
+        check_optimizer_needed(state.config, fix)
+
+
+def check_optimizer_needed(cfg: Any, fix: str) -> None:
+    """Refuse a configuration that works after ``optimizer.step()`` when no optimizer is attached: at
+    ``register(model, None, ...)``, or at the first step of a hook with no ``attach_optimizer``."""
+    if cfg.rack_period is not None:
+        why = f"rack_period={cfg.rack_period} needs an optimizer: the rack level averages parameters after"
+    elif cfg.average_optimizer_state:
+        why = f"average_optimizer_state={cfg.average_optimizer_state!r} needs an optimizer: its state is averaged after"
+    elif cfg.overlap or cfg.fragments > 1:
+        why = f"HierState(overlap={cfg.overlap}, fragments={cfg.fragments}) needs an optimizer: the sync runs after"
+    else:
+        return
+    raise ValueError(f"{why} optimizer.step(); {fix}")
 
 
 def check_bucket(

@@ -320,11 +320,6 @@ class SyncState:
     def _begin_step(self) -> StepKind:
         """A synchronized backward begins: settle the last verdict, launch a due sync; its kind."""
         self.guard.next_step()
-        if len(self.levels) > 1 and self._optimizer is None:
-            raise RuntimeError(
-                f"hiersync: rack_period={self.config.rack_period} averages parameters after optimizer.step(): attach "
-                "the optimizer (state.attach_optimizer(optimizer), or hiersync.register(model, optimizer, ...))"
-            )
         for lv in self.levels:
             lv.engine.launch_due(f" on rank {self.rank}")
         self._kind = self.schedule.kind(self.step)

@@ -122,8 +122,9 @@ class Window:
     error: str | None = None
     """The first failure of one of its rail collectives, if any."""
     stale: str | None = None
-    """Why this node may not go on (it opened a sync at another step than most of its peers):
-    raised once the window is decided, after this node voted no with the others."""
+    """Why this node may not go on with its own state (it opened a sync at another step than most
+    of its peers): once the window is decided (this node voted no with the others), it counts one
+    commit fewer, so that its next quorum heals it from a peer."""
     committed: bool | None = None
     """None until decided."""
     futures: list[torch.futures.Future] = field(default_factory=list)
@@ -499,9 +500,22 @@ class TorchftRail:
             )
         self.on_vote(window)
         if window.stale:
+            self._fall_back(window.stale)
+
+    def _fall_back(self, why: str) -> None:
+        """A node a period behind its peers (it waited in a window they left at once) is healed at its
+        next quorum: it counts one commit fewer, so torchft sees it behind and sends it a peer's state."""
+        step = int(self.manager.current_step())
+        if step < 1:
             raise HierSyncError(
-                f"hiersync: {window.stale}. It voted no with them and stops here; start it again (its torchrun does, "
-                "with --max-restarts) and it is healed from a live peer at the peers' step"
+                f"hiersync: {why}. It voted no with them and stops here (it has no commit to count back); start it "
+                "again (its torchrun does, with --max-restarts) and it is healed from a live peer at the peers' step"
+            )
+        self.manager.load_state_dict({"step": step - 1, "batches_committed": int(self.manager.batches_committed())})
+        if self.log:
+            logger.warning(
+                "hiersync: %s. It voted no with them and is healed from a live peer at their step in its next quorum",
+                why,
             )
 
     # ------------------------------------------------------------- log

@@ -160,3 +160,25 @@ def without_racks() -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def rack_without_optimizer() -> list[str]:
+    """``rack_period`` and no optimizer, on 2 racks x 1 node x 1 rank: ``register(ddp, None, ...)``
+    refuses at once; ``HierState`` + the hook without ``attach_optimizer`` at the first step. Each
+    refusal: its type and message."""
+    os.environ["HIERSYNC_RACK_IDS"] = "0,1"
+    out = []
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    try:
+        hiersync.register(ddp, None, period=8, rack_period=2)
+        out.append("register: no error")
+    except Exception as e:
+        out.append(f"register: {type(e).__name__}: {e}")
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    ddp.register_comm_hook(hiersync.HierState(period=8, rack_period=2), hiersync.hook)
+    try:
+        ddp(torch.ones(3, 4)).sum().backward()
+        out.append("first step: no error")
+    except Exception as e:
+        out.append(f"first step: {type(e).__name__}: {e}")
+    return out

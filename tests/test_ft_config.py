@@ -91,8 +91,18 @@ class _BarrierPG:
 
 
 class _Manager:
-    def __init__(self, rows: list[list[float]]) -> None:
+    def __init__(self, rows: list[list[float]], step: int = 10) -> None:
         self._pg, self._quorum_id, self.errors = _BarrierPG(rows), 7, []
+        self.step = step
+
+    def current_step(self) -> int:
+        return self.step
+
+    def batches_committed(self) -> int:
+        return 3 * self.step
+
+    def load_state_dict(self, sd) -> None:
+        self.step = sd["step"]
 
     def num_participants(self) -> int:
         return len(self._pg.rows)
@@ -107,10 +117,10 @@ class _Manager:
         return self.errors[0] if self.errors else None
 
 
-def _open(rows, step, contributes=True):
+def _open(rows, step, contributes=True, commits=10):
     from hiersync.transport import TorchftRail
 
-    rail = TorchftRail(_Manager(rows))
+    rail = TorchftRail(_Manager(rows, commits))
     return rail, rail.open(Marker("sync", step, (0,)), torch.device("cpu"), contributes)
 
 
@@ -121,12 +131,19 @@ def test_a_sync_whose_contributors_agree_on_the_step_commits():
     assert rail.decide(window) is True
 
 
-def test_a_node_a_period_behind_its_peers_votes_no_and_stops_with_a_clear_error():
-    from hiersync.futures import HierSyncError
-
+def test_a_node_a_period_behind_its_peers_votes_no_and_is_healed_at_its_next_quorum():
+    """It counts one commit fewer: torchft's next quorum sees it behind and heals it from a peer."""
     rail, window = _open([[1, 40], [1, 44], [1, 44]], 40)
     assert window.error is not None and "behind" in window.error
-    with pytest.raises(HierSyncError, match="after step 40 while its peers opened theirs after step 44"):
+    assert rail.decide(window) is False and window.committed is False
+    assert rail.manager.step == 9  # 10 commits, counted back by one
+
+
+def test_a_node_behind_with_no_commit_to_count_back_stops_with_a_clear_error():
+    from hiersync.futures import HierSyncError
+
+    rail, window = _open([[1, 0], [1, 4], [1, 4]], 0, commits=0)
+    with pytest.raises(HierSyncError, match="after step 0 while its peers opened theirs after step 4"):
         rail.decide(window)
     assert window.committed is False
 
@@ -134,6 +151,7 @@ def test_a_node_a_period_behind_its_peers_votes_no_and_stops_with_a_clear_error(
 def test_the_peers_of_a_node_behind_drop_the_window_and_go_on():
     rail, window = _open([[1, 40], [1, 44], [1, 44]], 44)
     assert rail.decide(window) is False  # dropped: their local progress is kept, no error
+    assert rail.manager.step == 10  # and their commits are their own
     assert "1 at step 40, 2 at step 44" in window.error
 
 

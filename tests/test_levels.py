@@ -101,6 +101,17 @@ def test_rack_period_without_racks_names_the_variables():
     assert all("HIERSYNC_RACK_IDS" in r and "HIERSYNC_RACK_KEY" in r for r in res)
 
 
+def test_rack_period_without_an_optimizer_is_refused_where_the_user_can_act():
+    """At ``register(model, None, ...)``, before any group is built; with ``HierState`` and the hook
+    alone, at the first step (no optimizer can be attached later than that). Both a ValueError
+    naming the fix, as docs/levels.md says."""
+    for register, first_step in launch(levels_ranks.rack_without_optimizer, [0, 1]):
+        assert register.startswith("register: ValueError: rack_period=2 needs an optimizer"), register
+        assert "hiersync.register(model, optimizer, ...)" in register
+        assert first_step.startswith("first step: ValueError: rack_period=2 needs an optimizer"), first_step
+        assert "state.attach_optimizer(optimizer)" in first_step
+
+
 def test_rack_period_with_a_manager_is_refused():
     import torch
 

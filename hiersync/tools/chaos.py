@@ -17,10 +17,13 @@ seconds, its kind and victim drawn from ``--seed``:
   it its state (torchft asks it for its state) is killed as soon as it starts sending;
 * ``two``: two nodes killed at once, both restarted;
 * ``partition``: every packet a node sends is dropped (a firewall rule on its ranks' group
-  id, so root and ``iptables`` only) for three heartbeat timeouts and longer than the rail's
-  timeout, then the rule is removed: the others drop it, and it is healed at its next
-  quorum. ``--lighthouse-restart-at S`` also kills the Lighthouse S seconds into the run and
-  starts it again at the same address a few seconds later.
+  id, so root and ``iptables`` only) for three heartbeat timeouts, then the rule is removed:
+  the others drop it, and it is healed at its next quorum. ``--lighthouse-restart-at S``
+  also kills the Lighthouse S seconds into the run and starts it again at the same address a
+  few seconds later.
+
+Every timeout is docs/cluster.md's unless given (``--heartbeat-timeout-ms``,
+``--join-timeout-ms``, ``--rail-timeout``), and the report prints them beside the figures.
 
 After the run :mod:`hiersync.tools.chaos_analysis` checks the invariants on every node's
 per-step records and prints goodput, stall per fault, restart to first contributing sync,
@@ -44,12 +47,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .chaos_analysis import FAULTS, Event, RunRecord, _incarnations, _steps, analyze, reference_curve, report, table
+from .chaos_analysis import (
+    FAULTS,
+    Event,
+    RunRecord,
+    _incarnations,
+    _steps,
+    analyze,
+    reference_curve,
+    report,
+    settings,
+    table,
+)
 from .netns import signals_raise
 
 os.environ.setdefault("RUST_LOG", "error")
 
-__all__ = ["ChaosConfig", "Event", "RunRecord", "run_chaos", "analyze", "report", "table", "add_arguments", "run"]
+__all__ = ["ChaosConfig", "Event", "RunRecord", "run_chaos", "analyze", "report", "settings", "table"]
+__all__ += ["add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +98,14 @@ class ChaosConfig:
     """Length of the run without faults (its step count is fixed from it)."""
     fault_every: float = 30.0
     restart_after: float = 3.0
-    heartbeat_timeout_ms: int = 1000
-    timeout_s: float = 5.0
-    """A rail collective's timeout (how long a frozen peer can hold the others)."""
+    heartbeat_timeout_ms: int = 5000
+    """The Lighthouse's ``--heartbeat_timeout_ms`` (docs/cluster.md's), also hiersync's
+    ``heartbeat_timeout`` (the contact bound of a window)."""
+    join_timeout_ms: int = 60000
+    """The Lighthouse's ``--join_timeout_ms`` (docs/cluster.md's)."""
+    timeout_s: float = 60.0
+    """The Manager's and its process group's timeout (docs/cluster.md's): a rail collective's data,
+    a commit, a recovery."""
     faults: tuple[str, ...] = FAULTS
     seed: int = 0
     lighthouse_restart_at: float | None = None
@@ -103,7 +123,7 @@ def _worker_cfg(cfg: ChaosConfig, folder: str, steps: int, eval_syncs: bool = Fa
         "bwd_ms": cfg.bwd_ms,
         "frontend": cfg.frontend,
         "timeout_s": cfg.timeout_s,
-        "options": {"period": cfg.period},
+        "options": {"period": cfg.period, "heartbeat_timeout": cfg.heartbeat_timeout_ms / 1000},
     }
 
 
@@ -131,7 +151,7 @@ class _Driver:
 
         cfg = self.cfg
         self.lighthouse = Lighthouse(
-            min_replicas=1, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms, join_timeout_ms=2000
+            min_replicas=1, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms, join_timeout_ms=cfg.join_timeout_ms
         )
         partition = "partition" in cfg.faults and self.inject and can_partition()
         timeout = max(30.0, 3 * cfg.timeout_s)
@@ -227,7 +247,7 @@ class _Driver:
             (n,) = victims
             _iptables("-I", GID_BASE + n)
             self.down.add(n)
-            self.partitioned[n] = t + max(3 * cfg.heartbeat_timeout_ms / 1000, 1.5 * cfg.timeout_s)
+            self.partitioned[n] = t + 3 * cfg.heartbeat_timeout_ms / 1000
             self.events.append(Event(t, "partition", n, index))
             return
         if kind == "kill-rank":
@@ -430,8 +450,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"kinds to draw from: {','.join(FAULTS)}")
     parser.add_argument("--period", type=int, default=d.period, help="hiersync period k")
     parser.add_argument("--step-ms", type=float, default=d.fwd_ms + d.bwd_ms, help="accelerator-like compute per step")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
-    rail = "seconds: torchft's timeout of a rail collective and a recovery (how long a frozen peer holds the others)"
+    hb = "the Lighthouse's heartbeat timeout, also hiersync's heartbeat_timeout (the bound of a window's contact)"
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms, help=hb)
+    join = "the Lighthouse's join timeout (how long a quorum waits for a node that heartbeats but has not asked)"
+    parser.add_argument("--join-timeout-ms", type=int, default=d.join_timeout_ms, help=join)
+    rail = "seconds: the timeout of the Manager and its process group (a rail collective's data, a commit, a recovery)"
     parser.add_argument("--rail-timeout", type=float, default=d.timeout_s, help=rail)
     parser.add_argument(
         "--seed", default="0", help="draws the faults' kinds and victims; several (1,2,3): one run with faults each"
@@ -466,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
         fault_every=args.fault_every,
         restart_after=args.restart_after,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        join_timeout_ms=args.join_timeout_ms,
         timeout_s=args.rail_timeout,
         faults=faults,
         seed=seeds[0],
@@ -479,6 +503,7 @@ def run(args: argparse.Namespace) -> int:
     for analysis, faulted, _ in runs:
         print(report(analysis, ChaosConfig(**{**asdict(cfg), "seed": faulted.seed, "faults": cfg.faults})))
     if len(runs) > 1:
+        print(f"{settings(cfg)}:")
         print(table([a for a, _, _ in runs], seeds))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ __all__ = [
     "reference_curve",
     "loss_at",
     "report",
+    "settings",
     "table",
 ]
 
@@ -283,8 +284,8 @@ def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
     kinds = ", ".join(f"{k} {v}" for k, v in a["fault_kinds"].items() if v)
     lines = [
         f"chaos: {cfg.nodes} nodes x {cfg.procs_per_node} ranks ({cfg.frontend}), period {cfg.period}, accelerator-"
-        f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}; "
-        f"heartbeat timeout {cfg.heartbeat_timeout_ms} ms, rail timeout {cfg.timeout_s:g} s",
+        f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}",
+        f"  settings            {settings(cfg)}",
         f"  faults              {a['faults']} ({kinds or 'none'})",
         f"  goodput             {a['goodput']:.3f} of the run without faults ({a['useful_node_steps']} useful "
         f"node-steps in {a['seconds']:.0f} s; without faults {a['reference_seconds']:.0f} s)",
@@ -311,6 +312,15 @@ def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
     lines += [f"    {v}" for v in a["violations"][:20]]
     lines += [f"  error: {e}" for e in a["errors"][:20]]
     return "\n".join(lines)
+
+
+def settings(cfg: ChaosConfig) -> str:
+    """Every timeout the figures depend on, as the run set them (printed beside each figure)."""
+    return (
+        f"Lighthouse heartbeat timeout {cfg.heartbeat_timeout_ms} ms and join timeout {cfg.join_timeout_ms} ms; "
+        f"Manager and process-group timeout {cfg.timeout_s:g} s; hiersync heartbeat_timeout "
+        f"{cfg.heartbeat_timeout_ms / 1000:g} s"
+    )
 
 
 def _verdict(a: dict[str, Any]) -> str:
