@@ -17,8 +17,8 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from .ddp import HierState, hook
 from .config import HierConfig
+from .ddp import HierState, hook
 from .ddp_checks import check_optimizer_needed, unwrap_optimizer
 from .frontend import SyncState
 from .fsdp import FSDPState, is_fsdp2, node_mesh
