@@ -177,7 +177,10 @@ def test_chaos_run_of_two_minutes(tmp_path):
     pytest.importorskip("torchft")
     from hiersync.tools.chaos import run_chaos
 
-    cfg = ChaosConfig(nodes=8, seconds=120.0, fault_every=30.0, seed=1)
+    # short timeouts, so that two minutes hold several faults and their recoveries
+    cfg = ChaosConfig(
+        nodes=8, seconds=120.0, fault_every=30.0, seed=1, heartbeat_timeout_ms=1000, join_timeout_ms=2000, timeout_s=5.0
+    )
     ((a, _, _),) = run_chaos(cfg, progress=False, logs=tmp_path)
     text = report(a, cfg)
     assert a["faults"] >= 3, text
