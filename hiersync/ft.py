@@ -12,6 +12,10 @@ node loss"):
 * one quorum per *window*: the start, each exact step (before it; its gradients are
   averaged over the quorum), each sync launch (the fragments due after one step),
   ``synchronize()``;
+* a member that does not answer within ``heartbeat_timeout`` (the Lighthouse's) while the
+  window finds out who is alive (torchft's configuration of the quorum's group, a heal's
+  first contact, the barrier) drops the window: a node that died just before a quorum costs
+  its peers that bound, not the Manager's timeout, which stays the bound of the window's data;
 * a window commits or is dropped as a whole, on every rank of the node alike. A dropped
   sync keeps local progress: its corrections are never applied and the state it changed
   (anchors, outer momentum, error-feedback residuals) is restored. A dropped exact step
