@@ -24,7 +24,7 @@ __all__ = ["TESTED", "version", "process_group", "timeout", "quorum_timeout", "b
 __all__ += ["forget_failed_quorum", "registered_states", "unregister_state", "async_quorum", "quorum_id"]
 __all__ += ["members", "check", "USED"]
 
-TESTED = ("0.2.0",)
+TESTED = ("0.2.0", "nightly 2026.10.26")
 """The torchft releases the manager-mode tests run against (docs/fault-tolerance.md)."""
 
 
