@@ -87,7 +87,7 @@ def process_group(manager: Any) -> Any:
 
 
 def timeout(manager: Any) -> timedelta:
-    """The Manager's timeout (a commit, a recovery; the rail's data collectives use it too)."""
+    """The Manager's timeout (a commit, a recovery)."""
     return _get(manager, "_timeout", "the Manager's timeout")
 
 
@@ -125,17 +125,18 @@ def bounded(manager: Any, contact: timedelta) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def op_timeout(manager: Any, opts: Any, limit: timedelta) -> Iterator[None]:
-    """Issue one rail collective under ``limit``: in its options (gloo reads them per operation;
-    the group was built with the contact bound) and as the group's timeout while it is issued
-    (torchft's NCCL group replaces the options' timeout with its own, read when it is issued)."""
-    opts.timeout = limit
+def op_timeout(manager: Any, opts: Any, limit: timedelta | None) -> Iterator[None]:
+    """Issue one rail collective under ``limit`` (None: the group's own timeout, the user's; the
+    Manager's for a group without one): in its options (gloo reads them per operation; the group
+    was built under the contact bound) and as the group's timeout while it is issued (torchft's
+    NCCL group replaces the options' timeout with its own, read when it is issued)."""
     pg = process_group(manager)
     saved = _pg_timeout(pg)
+    opts.timeout = limit or saved or timeout(manager)
     if saved is None:
         yield
         return
-    pg.set_timeout(limit)
+    pg.set_timeout(opts.timeout)
     try:
         yield
     finally:

@@ -268,8 +268,8 @@ class TorchftRail:
     next quorum goes on without it). It bounds the steps that find out who is alive: torchft's
     configuration of the quorum's process group (its store, the group's rendezvous), a joiner's
     first contact with its heal source and each read of the state, and the barrier that opens
-    the window. The window's data collectives, once every member answered, keep the Manager's
-    own timeout (long: a large model's average may take it).
+    the window. The window's data collectives, once every member answered, keep the process
+    group's own timeout (long: a large model's average may take it).
     """
 
     droppable = True
@@ -321,7 +321,7 @@ class TorchftRail:
     ) -> torch.futures.Future:
         """Launch ``op(opts, out, *inputs)`` (a torchft work) in the current window; the future never fails.
 
-        ``limit``: how long it may take (default: the Manager's timeout, the data's). A failure
+        ``limit``: how long it may take (default: the group's own timeout, the data's). A failure
         (a peer killed or frozen, the group reconfigured) is recorded in the window and the
         future completes with ``[out]`` holding whatever the collective left there: garbage
         nobody applies, since the window then does not commit.
@@ -329,7 +329,7 @@ class TorchftRail:
         window = self.window
         assert window is not None, "a rail collective outside a window"
         try:
-            with ftcompat.op_timeout(self.manager, opts, limit or ftcompat.timeout(self.manager)):
+            with ftcompat.op_timeout(self.manager, opts, limit):
                 fut = issue(lambda *ts, async_op=True: op(opts, *ts), out, *inputs, what=what)
         except Exception as e:  # e.g. the group is gone: its reconfiguration failed in the quorum
             window.fail(e, what)
@@ -423,7 +423,7 @@ class TorchftRail:
         # windows) cannot tell; averaging its step s with their s + k would mix two places.
         row = torch.tensor([1.0 if contributes else 0.0, float(marker.step)], dtype=torch.float64, device=device)
         rows = torch.zeros(participants * 2, dtype=torch.float64, device=device)
-        failed = manager.errored() if hasattr(manager, "errored") else None
+        failed = manager.errored()
         if failed is not None:  # torchft's configuration of this quorum's group or a heal failed (within contact)
             window.fail(getattr(failed, "original_exception", failed), "torchft's quorum")
         wait(self.all_gather(rows, row, "the rail barrier after the quorum", limit=self.contact))

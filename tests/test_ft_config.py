@@ -260,3 +260,36 @@ def test_the_barrier_runs_under_the_contact_bound_and_the_data_under_the_manager
     rail.open(Marker("sync", 4, (0,)), torch.device("cpu"))
     rail.allreduce(torch.ones(2), "the average").wait()
     assert limits == [("gather", timedelta(seconds=3)), ("reduce", timedelta(seconds=60))]
+
+
+def test_the_data_keeps_the_groups_own_timeout_and_the_group_gets_it_back():
+    """A group that has its own timeout (torchft's): each data collective runs under it, issued while
+    the group's timeout is that limit, and the group holds its own again after the barrier's."""
+    from datetime import timedelta
+
+    from hiersync.transport import TorchftRail
+
+    seen = []
+
+    class PG(_BarrierPG):
+        _timeout = timedelta(seconds=45)
+
+        def set_timeout(self, t):
+            self._timeout = t
+
+        def allgather(self, outs, ins, opts):
+            seen.append(("gather", opts.timeout, self._timeout))
+            return super().allgather(outs, ins, opts)
+
+        def allreduce(self, ts, opts):
+            seen.append(("reduce", opts.timeout, self._timeout))
+            return _Done(ts)
+
+    manager = _Manager([[1, 4], [1, 4]])
+    manager._pg, manager._timeout = PG([[1, 4], [1, 4]]), timedelta(seconds=60)
+    rail = TorchftRail(manager, contact=timedelta(seconds=3))
+    rail.open(Marker("sync", 4, (0,)), torch.device("cpu"))
+    rail.allreduce(torch.ones(2), "the average").wait()
+    three, fortyfive = timedelta(seconds=3), timedelta(seconds=45)
+    assert seen == [("gather", three, three), ("reduce", fortyfive, fortyfive)]
+    assert manager._pg._timeout == fortyfive
