@@ -3,16 +3,22 @@
 Pure Python over the runs' JSON (no torch): each run is a dict with ``evals`` (a list of
 ``step``, ``wall_s``, ``val_loss``), ``final_val_loss``, ``wall_s`` and ``steps``; ``runs``
 maps a schedule's name to its runs, one per seed, in the same seed order for every schedule.
+The intervals over seeds are the bench's bootstrap (:func:`hiersync.tools.bench_noise.bootstrap_interval`,
+scipy: ``pip install 'hiersync[bench]'``), the tables :func:`hiersync._table.render`'s.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import re
 import textwrap
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from hiersync._table import render
+from hiersync.tools.bench_noise import bootstrap_interval
 
 __all__ = [
     "combine_steps",
@@ -66,16 +72,6 @@ def mean_curve(runs: list[dict]) -> list[dict]:
     ]
 
 
-def _interval(draws: list[float], level: float) -> tuple[float, float]:
-    """The ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of bootstrap draws."""
-    xs = sorted(draws)
-
-    def at(q: float) -> float:
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-    return at((1 - level) / 2), at((1 + level) / 2)
-
-
 def ratio_interval(
     runs: dict[str, list[dict]], name: str, steps: int, level: float = 0.9, draws: int = 2000
 ) -> dict[str, tuple[float, float]] | None:
@@ -87,28 +83,31 @@ def ratio_interval(
     comes down to the target; a draw that never reaches it counts as ``inf``. Returns the
     ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of both ratios (``inf`` as the upper
     end: not reached in that share of the draws), or None with fewer than 3 seeds.
-    Deterministic (a fixed generator seed).
+    Deterministic (:func:`bootstrap_interval`: a fixed generator seed).
     """
     ddp, rs = runs["ddp"], runs[name]
     n = len(ddp)
     if n < 3 or len(rs) != n:
         return None
-    rng = random.Random(0)
-    got: dict[str, list[float]] = {"steps": [], "wall": []}
-    for _ in range(draws):
-        idx = [rng.randrange(n) for _ in range(n)]
+
+    def ratios(idx: np.ndarray) -> np.ndarray:  # one draw of seeds (indices, with repeats)
         target = sum(ddp[i]["final_val_loss"] for i in idx) / n
         hit = reach(mean_curve([rs[i] for i in idx]), target)
-        got["steps"].append(hit["step"] / steps if hit else math.inf)
-        got["wall"].append(hit["wall_s"] / (sum(ddp[i]["wall_s"] for i in idx) / n) if hit else math.inf)
-    return {k: _interval(v, level) for k, v in got.items()}
+        if hit is None:
+            return np.array([math.inf, math.inf])
+        return np.array([hit["step"] / steps, hit["wall_s"] / (sum(ddp[i]["wall_s"] for i in idx) / n)])
+
+    lo, hi = bootstrap_interval((np.arange(n),), ratios, level, vectorized=False, resamples=draws)
+    return {k: (float(lo[i]), float(hi[i])) for i, k in enumerate(("steps", "wall"))}
 
 
 def mean_interval(xs: list[float], level: float = 0.9, draws: int = 2000) -> dict[str, float]:
-    """The mean of ``xs`` (one value per seed) and a bootstrap interval over seeds."""
-    rng = random.Random(0)
-    lo, hi = _interval([sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(draws)], level)
-    return {"mean": sum(xs) / len(xs), "lo": lo, "hi": hi}
+    """The mean of ``xs`` (one value per seed) and a bootstrap interval over seeds (one seed: a point)."""
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return {"mean": mean, "lo": mean, "hi": mean}
+    lo, hi = bootstrap_interval((np.asarray(xs, dtype=float),), np.mean, level, resamples=draws)
+    return {"mean": mean, "lo": float(lo), "hi": float(hi)}
 
 
 def final_gap(runs: dict[str, list[dict]], name: str, level: float = 0.9, draws: int = 2000) -> dict[str, float]:
@@ -253,24 +252,35 @@ def _gap(g: dict | None) -> str:
 
 def table(rows: list[dict], steps: int, target: float, seeds: list[int]) -> str:
     mean = "mean of seeds " + ",".join(map(str, seeds)) if len(seeds) > 1 else f"seed {seeds[0]}"
-    lines = [
-        f"| schedule | s/step | val loss at step {steps} ({mean}; spread) "
-        f"| minus DDP's, seed by seed (90% interval) | steps to DDP's final loss {target:.4f} "
-        "| wall-clock s to it | wall-clock vs DDP (90% interval over seeds) | steps vs DDP (90% interval) "
-        "| per seed: steps to its DDP's loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    head = [
+        "schedule",
+        "s/step",
+        f"val loss at step {steps} ({mean}; spread)",
+        "minus DDP's, seed by seed (90% interval)",
+        f"steps to DDP's final loss {target:.4f}",
+        "wall-clock s to it",
+        "wall-clock vs DDP (90% interval over seeds)",
+        "steps vs DDP (90% interval)",
+        "per seed: steps to its DDP's loss",
     ]
+    body = []
     for r in rows:
         spread = f" ({r['spread_at_ddp_steps']:.3f})" if r["spread_at_ddp_steps"] is not None and len(seeds) > 1 else ""
-        per_seed = ", ".join("-" if v is None else str(v) for v in r["per_seed_steps"])
         iv = r.get("interval_90") or {}
-        lines.append(
-            f"| {r['schedule']} | {r['s_per_step']:.3f} | {_x(r['val_at_ddp_steps'], '.4f')}{spread} "
-            f"| {_gap(r.get('paired_gap'))} | {_x(r['steps_to_target'], '.0f')} | {_x(r['wall_to_target'], '.1f')} "
-            f"| {_x(r['wall_x_ddp'])}{_ci(iv.get('wall'))} | {_x(r['steps_x_ddp'])}{_ci(iv.get('steps'))} "
-            f"| {per_seed} |"
+        body.append(
+            [
+                r["schedule"],
+                f"{r['s_per_step']:.3f}",
+                f"{_x(r['val_at_ddp_steps'], '.4f')}{spread}",
+                _gap(r.get("paired_gap")),
+                _x(r["steps_to_target"], ".0f"),
+                _x(r["wall_to_target"], ".1f"),
+                f"{_x(r['wall_x_ddp'])}{_ci(iv.get('wall'))}",
+                f"{_x(r['steps_x_ddp'])}{_ci(iv.get('steps'))}",
+                ", ".join("-" if v is None else str(v) for v in r["per_seed_steps"]),
+            ]
         )
-    return "\n".join(lines)
+    return render(head, body, align="lrrrrrrrl", markdown=True)
 
 
 def _per_step(c: dict) -> str:
@@ -280,17 +290,22 @@ def _per_step(c: dict) -> str:
 
 
 def combined_table(combined: list[dict], loss_seeds: int) -> str:
-    lines = [
-        f"| schedule | s/step on this link | steps vs DDP ({loss_seeds} seeds, 90% interval) "
-        "| wall-clock to DDP's loss vs DDP (90% interval) |",
-        "|---|---:|---:|---:|",
+    head = [
+        "schedule",
+        "s/step on this link",
+        f"steps vs DDP ({loss_seeds} seeds, 90% interval)",
+        "wall-clock to DDP's loss vs DDP (90% interval)",
     ]
-    for c in combined:
-        lines.append(
-            f"| {c['schedule']} | {_per_step(c)} | {_x(c['steps_x_ddp'])}{_ci(c['steps_interval'])} "
-            f"| {_x(c['wall_x_ddp'])}{_ci(c['wall_interval'])} |"
-        )
-    return "\n".join(lines)
+    body = [
+        [
+            c["schedule"],
+            _per_step(c),
+            f"{_x(c['steps_x_ddp'])}{_ci(c['steps_interval'])}",
+            f"{_x(c['wall_x_ddp'])}{_ci(c['wall_interval'])}",
+        ]
+        for c in combined
+    ]
+    return render(head, body, markdown=True)
 
 
 def plot(

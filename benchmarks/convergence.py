@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from hiersync._io import atomic_save, atomic_write_json
+from hiersync._table import render
 from hiersync.tools.launch import run as launch
 
 __all__ = ["SCHEDULES", "make_config", "rank_main", "run", "summarize", "markdown_table", "plot", "main"]
@@ -347,10 +348,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], num_seeds: int) -> str:
     many = num_seeds > 1
     acc_head = f"final test acc (%, mean of {num_seeds} seeds)" if many else "final test acc (%)"
     delta_head = "delta vs DDP (points, mean / worst seed)" if many else "delta vs DDP (points)"
-    lines = [
-        f"| schedule | {acc_head} | {delta_head} | final train loss | inter-node bytes vs DDP |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    table = []
     for r in rows:
         if r["schedule"] == "ddp" or r["delta_vs_ddp"] is None:
             delta = "-"
@@ -359,8 +357,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], num_seeds: int) -> str:
         rel = "-" if r["inter_rel"] is None else f"{r['inter_rel']:.3f}"
         if r["schedule"] == "ddp" and r["inter_rel"] is not None:
             rel += " (= k=1)"
-        lines.append(f"| {r['schedule']} | {r['test_acc']:.2f} | {delta} | {r['train_loss']:.4f} | {rel} |")
-    return "\n".join(lines)
+        table.append([r["schedule"], f"{r['test_acc']:.2f}", delta, f"{r['train_loss']:.4f}", rel])
+    head = ["schedule", acc_head, delta_head, "final train loss", "inter-node bytes vs DDP"]
+    return render(head, table, markdown=True)
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:

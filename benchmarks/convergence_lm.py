@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hiersync._io import atomic_write_json
+from hiersync._table import render
 from hiersync.tools.launch import run as launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -136,12 +137,8 @@ def summarize(runs: Sequence[dict[str, dict[str, Any]]], refs: Sequence[str]) ->
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], refs: Sequence[str], seeds: Sequence[int]) -> str:
-    seed_heads = " | ".join(f"seed {s}" for s in seeds)
-    ref_heads = " | ".join(f"vs {ref} (mean / worst seed)" for ref in refs)
-    lines = [
-        f"| schedule | {seed_heads} | mean | {ref_heads} | inter KB per sync |",
-        "|---|" + "---:|" * (len(seeds) + 1 + len(refs) + 1),
-    ]
+    head = ["schedule", *(f"seed {s}" for s in seeds), "mean", *(f"vs {ref} (mean / worst seed)" for ref in refs)]
+    table = []
     for r in rows:
         cells = [f"{v:.4f}" for v in r["per_seed"]] + [f"{r['mean']:.4f}"]
         for ref in refs:
@@ -149,8 +146,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], refs: Sequence[str], seeds: S
             cells.append("-" if r["schedule"] == ref else f"{100 * g['mean']:+.2f}% / {100 * g['worst']:+.2f}%")
         b = r["inter_bytes_per_sync"]
         cells.append("-" if b is None else f"{b / 1e3:.1f}")
-        lines.append(f"| {r['schedule']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append([r["schedule"], *cells])
+    return render([*head, "inter KB per sync"], table, markdown=True)
 
 
 def main(a: argparse.Namespace, schedules: Mapping[str, dict[str, Any] | None], extra: Sequence[str]) -> int:

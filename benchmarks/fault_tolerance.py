@@ -107,6 +107,7 @@ def _mean(times: list[float]) -> float:
 
 
 def overhead(periods: list[int], steps: int, repeats: int, options: dict) -> None:
+    from hiersync._table import render
     from hiersync.tools.ft_nodes import Lighthouse, Nodes
     from hiersync.tools.launch import run
 
@@ -129,14 +130,21 @@ def overhead(periods: list[int], steps: int, repeats: int, options: dict) -> Non
         fm, fmed = statistics.median(m for m, _ in ft), statistics.median(m for _, m in ft)
         rows.append((period, pm, fm, pmed, fmed))
         print(f"period {period}: plain (mean, median) {plain} s; manager {ft} s", flush=True)
-    print("\n| period | plain: mean step (median) | manager: mean step (median) | manager / plain, mean |")
-    print("|---|---|---|---|")
-    for period, pm, fm, pmed, fmed in rows:
-        cells = [f"{pm * 1e3:.1f} ms ({pmed * 1e3:.1f})", f"{fm * 1e3:.1f} ms ({fmed * 1e3:.1f})", f"{fm / pm:.3f}"]
-        print(f"| {period} | " + " | ".join(cells) + " |")
+    table = [
+        [
+            str(period),
+            f"{pm * 1e3:.1f} ms ({pmed * 1e3:.1f})",
+            f"{fm * 1e3:.1f} ms ({fmed * 1e3:.1f})",
+            f"{fm / pm:.3f}",
+        ]
+        for period, pm, fm, pmed, fmed in rows
+    ]
+    head = ["period", "plain: mean step (median)", "manager: mean step (median)", "manager / plain, mean"]
+    print("\n" + render(head, table, align="r", markdown=True))
 
 
 def death(steps: int, period: int, kill_at: int, heartbeat_ms: int) -> None:
+    from hiersync._table import render
     from hiersync.tools.ft_nodes import Lighthouse, Nodes
 
     with Lighthouse(min_replicas=1, heartbeat_timeout_ms=heartbeat_ms) as lh, Nodes(lh.address) as nodes:
@@ -147,11 +155,7 @@ def death(steps: int, period: int, kill_at: int, heartbeat_ms: int) -> None:
         out = nodes.wait([0, 1], timeout=900)
         steps_of = {n: nodes.steps(n) for n in (0, 1)}
     print(f"\nnode 2 killed after it reported step {kill_at} (period {period}, heartbeat timeout {heartbeat_ms} ms)")
-    print(
-        "| survivor | s to next completed step | longest step after the kill | median step | syncs dropped |"
-        " step counter went back |"
-    )
-    print("|---|---|---|---|---|---|")
+    table = []
     for n in (0, 1):
         rec = steps_of[n]
         after = [(s, t) for t, s, _ in rec if t > died]
@@ -162,10 +166,12 @@ def death(steps: int, period: int, kill_at: int, heartbeat_ms: int) -> None:
         back = any(b < a for a, b in itertools.pairwise(order))
         stats = out[n][0]["stats"]
         stall = f"{times[longest] - times[longest - 1]:.2f} s (step {after[longest - 1][0]})"
-        print(
-            f"| {n} | {after[0][1] - died:.2f} | {stall} | {_median(out[n][0]['times']):.3f} s"
-            f" | {stats['failed_syncs']} | {'yes' if back else 'no'} |"
+        median = f"{_median(out[n][0]['times']):.3f} s"
+        table.append(
+            [str(n), f"{after[0][1] - died:.2f}", stall, median, str(stats["failed_syncs"]), "yes" if back else "no"]
         )
+    head = ["survivor", "s to next completed step", "longest step after the kill", "median step", "syncs dropped"]
+    print(render([*head, "step counter went back"], table, align="rrrrrl", markdown=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="each mode this many times, alternated")
     args = p.parse_args(argv)
 
+    from hiersync._table import render
     from hiersync.costmodel import get_preset
     from hiersync.costmodel.racks import price_levels
     from hiersync.tools.cluster import run_ranks
@@ -118,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         params=args.params, nodes=4, nodes_per_rack=2, oversubscription=2 / ratio, compute_s=0.0,
         rack_period=kr, period=kw,
     )  # fmt: skip
-    print(f"{'mode':<26} {'step ms':>9} {'95% CI':>8} {'vs 2-level k=' + str(kr):>16} "
-          f"{'rack MB':>8} {'world MB':>9} {'model sync ms/step':>19}")  # fmt: skip
+    table = []
     for (name, ts), row in zip(times.items(), rows):
         m, ci = _ci95(ts)
         b = sent[name]
-        model = (row.step_s) * 1e3
-        print(f"{name:<26} {m * 1e3:>9.1f} {ci * 1e3:>8.1f} {base / m:>15.2f}x "
-              f"{b.get('rack', 0) / 1e6:>8.1f} {b.get('inter', 0) / 1e6:>9.1f} {model:>19.1f}")  # fmt: skip
+        cells = [name, f"{m * 1e3:.1f}", f"{ci * 1e3:.1f}", f"{base / m:.2f}x"]
+        table.append(
+            [*cells, f"{b.get('rack', 0) / 1e6:.1f}", f"{b.get('inter', 0) / 1e6:.1f}", f"{row.step_s * 1e3:.1f}"]
+        )
+    head = ["mode", "step ms", "95% CI", f"vs 2-level k={kr}", "rack MB", "world MB", "model sync ms/step"]
+    print(render(head, table))
     return 0
 
 

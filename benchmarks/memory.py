@@ -91,6 +91,7 @@ def _rank(mode: str, width: int, layers: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hiersync._table import render
     from hiersync.tools.launch import run
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         f"fp32 parameter bytes P = {P / 2**20:.1f} MiB; 2 nodes x 2 ranks; extra peak RSS per rank vs period=1 "
         "with the same optimizer (SGD; AdamW for the *_adamw* modes)"
     )
-    print(f"{'mode':26s} {'worst rank':>10s} {'mean':>8s}  (units of P)")
     extra = {  # per rank, in units of P, over the baseline with the same optimizer
         mode: [(a - b) / P for a, b in zip(pk, peaks["p1_adamw" if mode in ADAMW else "p1"])]
         for mode, pk in peaks.items()
     }
-    for mode, e in extra.items():
-        print(f"{mode:26s} {max(e):10.2f} {sum(e) / len(e):8.2f}")
+    head, *body = render(
+        ["mode", "worst rank", "mean"], [[mode, f"{max(e):.2f}", f"{sum(e) / len(e):.2f}"] for mode, e in extra.items()]
+    ).splitlines()
+    print("\n".join([f"{head}  (units of P)", *body]))
     budget, failed = 3 / L, []
     for mode in BUDGETED:
         if mode in extra:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import _lm
 
+from hiersync._table import render
 from hiersync.quant import RESIDUAL_DTYPE, BlockCodec
 
 
@@ -101,16 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     W = len(ds)
     print(f"char-LM: {args.layers} layers, dim {args.dim}, AdamW lr {args.lr}, k={args.period}")
     print(f"{W} windows of {args.period} steps, {ds[0].numel()} values each")
-    head = f"{'bits':>4} {'block':>5} {'rounding':>10} {'bits/value':>10} {'err one window':>15} "
-    print(head + f"{'err after W, no feedback':>25} {'feedback, fp32 residual':>24} {'bf16 residual':>14}")
+    table = []
     for bits in (8, 4):
         for block in (int(b) for b in args.blocks.split(",")):
             codec = BlockCodec(bits, block)
             for rounding in ("nearest", "stochastic"):
                 one, plain, fed32, fed16 = measure(ds, codec, rounding)
                 bpv = codec.packed_bytes(block * 64) * 8 / (block * 64)
-                row = f"{bits:>4} {block:>5} {rounding:>10} {bpv:>10.3f} {one:>15.4f} "
-                print(row + f"{plain:>25.4f} {fed32:>24.5f} {fed16:>14.5f}")
+                cells = [str(bits), str(block), rounding, f"{bpv:.3f}", f"{one:.4f}"]
+                table.append([*cells, f"{plain:.4f}", f"{fed32:.5f}", f"{fed16:.5f}"])
+    head = ["bits", "block", "rounding", "bits/value", "err one window", "err after W, no feedback"]
+    print(render([*head, "feedback, fp32 residual", "bf16 residual"], table, align="r"))
     return 0
 
 

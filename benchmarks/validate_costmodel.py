@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync._table import render
 from hiersync.costmodel.validation import DEFAULT_CSV, load_rows
 from hiersync.costmodel.validation import format_report as format_published
 from hiersync.tools import calibrate as cal
@@ -332,14 +333,21 @@ def format_report(report: Mapping[str, Any], profile: cm.Profile) -> str:
         f"inter {profile.inter.alpha * 1e6:.1f} us, {profile.inter.bandwidth / 1e9:.3g} GB/s per NIC x "
         f"{profile.rails or profile.ranks_per_node}; two-level intra algorithm {report.get('intra_algorithm', '?')}",
         "",
-        "| bytes | two-level measured ms | predicted ms | error | flat measured ms | predicted ms | error |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["collectives"]:
-        lines.append(
-            f"| {format_size(r['bytes'])} | {_us(r['two_level_s'])} | {_us(r['two_level_pred_s'])} | "
-            f"{r['two_level_err']:+.1%} | {_us(r['flat_s'])} | {_us(r['flat_pred_s'])} | {r['flat_err']:+.1%} |"
-        )
+    head = ["bytes", "two-level measured ms", "predicted ms", "error", "flat measured ms", "predicted ms", "error"]
+    table = [
+        [
+            format_size(r["bytes"]),
+            _us(r["two_level_s"]),
+            _us(r["two_level_pred_s"]),
+            f"{r['two_level_err']:+.1%}",
+            _us(r["flat_s"]),
+            _us(r["flat_pred_s"]),
+            f"{r['flat_err']:+.1%}",
+        ]
+        for r in report["collectives"]
+    ]
+    lines.append(render(head, table, align="r", markdown=True))
     lines.append(
         f"\nmedian |error|: two-level {report['two_level_median_abs_err']:.1%}, "
         f"flat {report['flat_median_abs_err']:.1%}"
@@ -352,16 +360,21 @@ def format_report(report: Mapping[str, Any], profile: cm.Profile) -> str:
             f"{c['step_s'] * 1e3:.1f} ms = forward {c['forward_s'] * 1e3:.1f} + backward {c['backward_s'] * 1e3:.1f} "
             f"+ optimizer {c['optimizer_s'] * 1e3:.1f} ms",
             "",
-            "| schedule | bucket_cap_mb | buckets | measured step ms | predicted ms | (comm, exposed) ms | error |",
-            "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for s in report["steps"]:
-            name = "DDP default" if s["schedule"] == "ddp" else f"hiersync k={s['period']}"
-            lines.append(
-                f"| {name} | {s['bucket_mb']:g} | {s['num_buckets']} | {s['measured_s'] * 1e3:.1f} | "
-                f"{s['pred_s'] * 1e3:.1f} | ({s['pred_comm_s'] * 1e3:.1f}, {s['pred_exposed_s'] * 1e3:.1f}) | "
-                f"{s['err']:+.1%} |"
-            )
+        head = ["schedule", "bucket_cap_mb", "buckets", "measured step ms", "predicted ms", "(comm, exposed) ms"]
+        table = [
+            [
+                "DDP default" if s["schedule"] == "ddp" else f"hiersync k={s['period']}",
+                f"{s['bucket_mb']:g}",
+                str(s["num_buckets"]),
+                f"{s['measured_s'] * 1e3:.1f}",
+                f"{s['pred_s'] * 1e3:.1f}",
+                f"({s['pred_comm_s'] * 1e3:.1f}, {s['pred_exposed_s'] * 1e3:.1f})",
+                f"{s['err']:+.1%}",
+            ]
+            for s in report["steps"]
+        ]
+        lines.append(render([*head, "error"], table, markdown=True))
         lines.append(f"\nmedian |error|: steps {report['steps_median_abs_err']:.1%}")
     return "\n".join(lines)
 

@@ -17,9 +17,10 @@ that state where ``state_device`` says (its checkpoint: :mod:`hiersync.state_io`
   averages its own shards on its rail and writes them back locally: nothing to gather.
 
 Per rank that is ``2/L`` of the fp32 parameter bytes in steady state (anchor + momentum,
-only with ``compress`` or an outer step) plus the snapshot and payload of the chunks in
-flight (docs/local-sgd.md, "Memory"). Both implement :class:`hiersync.sync.Averager`; the
-maths is written once, in :class:`RailAverager`.
+only with ``compress`` or an outer step) plus, per chunk in flight, the node's fp32 buffer of
+it (the snapshot and the payload in it; a compressed payload beside it) (docs/local-sgd.md,
+"Memory"). Both implement :class:`hiersync.sync.Averager`; the maths is written once, in
+:class:`RailAverager`.
 """
 
 from __future__ import annotations

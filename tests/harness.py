@@ -67,7 +67,8 @@ def world1(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.fixture(params=["as_is", pytest.param("emulated_nccl", marks=pytest.mark.nccl_emulation)])
+# The emulated twins run under `pytest -m slow` (CI) and `pytest -m nccl_emulation`, not by default.
+@pytest.fixture(params=["as_is", pytest.param("emulated_nccl", marks=[pytest.mark.nccl_emulation, pytest.mark.slow])])
 def nccl_mode(request, monkeypatch):
     """Run a test as it is and again under emulated NCCL completion (hiersync.emulation).
 

@@ -210,6 +210,12 @@ def fail_on_rank(bad: int) -> None:
     dist.barrier()
 
 
+def fail_while_peers_sleep(bad: int) -> None:
+    if dist.get_rank() == bad:
+        raise ValueError(f"boom from rank {bad}")
+    time.sleep(3600)  # only the launcher ends these
+
+
 def sleep_forever() -> None:
     import time
 
@@ -583,12 +589,10 @@ def die_mid_training(
     timeout_s: float | None,
     how: str = "kill",
     in_hook: bool = False,
-    folder: str = "",
     bucket_cap_mb: float = 25.0,
 ) -> None:
     """Train; ``victim`` SIGKILLs (or SIGSTOPs) itself at step ``die_at``; survivors must raise.
 
-    Each survivor writes the wall-clock time of the failure's start to ``folder``.
     ``timeout_s=None``: hiersync inherits the job's own (``init_process_group``) timeout.
     A small ``bucket_cap_mb`` gives several buckets per step (the early-failure race).
     """
@@ -602,9 +606,6 @@ def die_mid_training(
     hiersync.register(ddp, None if in_hook else opt, period=period, timeout=timeout_s)
     for step in range(die_at + 3 * period + 2):
         if step == die_at:
-            if folder:
-                with open(os.path.join(folder, f"t_die-{dist.get_rank()}"), "w") as f:
-                    f.write(repr(time.time()))
             if dist.get_rank() == victim:
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             time.sleep(0.5)  # the victim is gone (or frozen) before the next collective

@@ -24,10 +24,13 @@ def test_memory_model_follows_the_docs():
     assert rows["period=1 (exact)"]["bytes"] == 0
     assert rows["k>1, compress=bf16"]["fraction_of_P"] == pytest.approx(1 / 8)
     assert rows["k>1, bf16 + outer Nesterov"]["bytes"] == pytest.approx(2 / 8 * 4 * 7e9)
-    assert rows["k>1, overlap, bf16 + outer"]["fraction_of_P"] == pytest.approx(4 / 8)
-    # streaming k=4 F=4 tau=1: one fragment in flight; within the design's 3/L budget
+    # overlap: the node's fp32 buffer of the whole model in flight, and the rank's bf16 payload of its shard
+    assert rows["k>1, overlap, bf16 + outer"]["fraction_of_P"] == pytest.approx(2 / 8 + 1 + 1 / 16)
+    # streaming k=4 F=4 tau=1: one fragment in flight, over the design's 3/L budget at L = 8 > F
     stream = rows["k=4 F=4 tau=1, bf16 + outer"]["fraction_of_P"]
-    assert stream == pytest.approx(2 / 8 + 2 / 8 / 4) and stream <= 3 / 8
+    assert stream == pytest.approx(2 / 8 + 1 / 4 + 1 / 16 / 4) and stream > 3 / 8
+    F16 = {r["mode"]: r for r in check.memory_rows(8, 7e9, period=16, fragments=16)}["k=16 F=16 tau=1, bf16 + outer"]
+    assert F16["fraction_of_P"] == pytest.approx(2 / 8 + 1 / 16 + 1 / 16 / 16) and F16["fraction_of_P"] <= 3 / 8
     assert all(r["bytes"] is None for r in check.memory_rows(2))
 
 

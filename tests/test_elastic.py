@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from harness import torchrun
 
@@ -20,6 +21,7 @@ def _torchrun(tmp: Path, name: str, crash_at: int) -> list[torch.Tensor]:
     return [torch.load(tmp / name / "out" / f"rank{r}.pt") for r in range(4)]
 
 
+@pytest.mark.slow
 def test_crash_and_restart_matches_uninterrupted_run(tmp_path):
     clean = _torchrun(tmp_path, "clean", crash_at=-1)
     # crash at step 7: the last complete checkpoint is after step 6, between the sync at

@@ -22,7 +22,7 @@ from harness import (
 from hiersync.tools.launch import run_all
 
 KILL_TIMEOUT_S = 4.0
-JOB_TIMEOUT_S = 10.0
+JOB_TIMEOUT_S = 6.0
 REPEATS = 3  # the race hit about one run in three before the fix
 
 
@@ -38,12 +38,12 @@ def _check_survivors(outs, victim: int) -> None:
 @pytest.mark.usefixtures("nccl_mode")
 @pytest.mark.parametrize("repeat", [0] + [pytest.param(r, marks=pytest.mark.slow) for r in range(1, REPEATS)])
 @pytest.mark.parametrize("die_at", [5, 7], ids=["local_step", "sync_step"])
-def test_dead_peer_with_many_buckets(die_at, repeat, tmp_path):
+def test_dead_peer_with_many_buckets(die_at, repeat):
     # period 4: step 5 is local, step 7 a sync step; tiny buckets: several per step
     outs = run_all(
         ranks.die_mid_training,
         4,
-        (3, die_at, 4, KILL_TIMEOUT_S, "kill", False, str(tmp_path), 0.0005),
+        (3, die_at, 4, KILL_TIMEOUT_S, "kill", False, 0.0005),
         node_ids=TOPOLOGIES["2x2"],
         timeout=90,
         pg_timeout=KILL_TIMEOUT_S,
@@ -54,11 +54,11 @@ def test_dead_peer_with_many_buckets(die_at, repeat, tmp_path):
 
 
 @pytest.mark.parametrize("die_at", [5, pytest.param(7, marks=pytest.mark.slow)], ids=["local_step", "sync_step"])
-def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at, tmp_path):
+def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at):
     outs = run_all(
         ranks.die_mid_training,
         4,
-        (1, die_at, 4, None, "stop", False, str(tmp_path), 0.0005),
+        (1, die_at, 4, None, "stop", False, 0.0005),
         # the frozen rank never exits by itself: the launcher kills it at this limit
         node_ids=TOPOLOGIES["2x2"],
         timeout=45,
@@ -67,10 +67,9 @@ def test_frozen_peer_bounded_by_the_jobs_own_timeout(die_at, tmp_path):
     )
     assert outs[1].exitcode is None  # frozen until the launcher killed it
     _check_survivors(outs, victim=1)
-    for o in outs:
+    for o in outs:  # the wait ended on the job's own timeout (init_process_group's), named
         if o.rank != 1:
-            t_die = float((tmp_path / f"t_die-{o.rank}").read_text())
-            assert o.failed_at - t_die < 60, (o.rank, o.failed_at - t_die)
+            assert f"Timed out waiting {JOB_TIMEOUT_S * 1000:.0f}ms" in o.error, (o.rank, o.error)
 
 
 @pytest.mark.usefixtures("nccl_mode")

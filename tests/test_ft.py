@@ -8,7 +8,6 @@ against a reference run in this process of the surviving nodes' local SGD on the
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import time
@@ -124,14 +123,15 @@ def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
         for n in range(3):
             nodes.start(n, ft_ranks.train, (cfg,))
         out = nodes.wait([0, 1], timeout=120)
-        times = [t for t, s, _ in nodes.steps(0) if s in (4, 5)]
     ref = ft_ranks.reference(cfg, 3, 1, lambda s: [0, 1, 2] if s <= 5 else [0, 1], dropped={5})
     for n in (0, 1):
         got = _by_step(out[n][0])
         for s in range(cfg["steps"]):
             torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
-    gap = times[1] - times[0]  # step 5 (and its sync) completes once the frozen sync timed out
-    assert timeout_s * 0.8 <= gap <= timeout_s + 5.0, gap
+        assert out[n][0]["stats"]["failed_syncs"] == 1, out[n][0]["stats"]
+        # the sync was given up on the rail's timeout: the one warning names it
+        dropped = [w for w in out[n][0]["warnings"] if "after step 5 did not commit" in w]
+        assert len(dropped) == 1 and f"{timeout_s * 1000:.0f}ms" in dropped[0], out[n][0]["warnings"]
 
 
 @pytest.mark.parametrize("victim", [2, pytest.param(0, marks=pytest.mark.slow)])
@@ -273,8 +273,8 @@ HEALS = {
     "case, hold_at",
     [
         ("ddp-blocking", 10),
-        ("ddp-streaming-outer", 10),
-        ("fsdp-int4", 10),
+        pytest.param("ddp-streaming-outer", 10, marks=pytest.mark.slow),
+        pytest.param("fsdp-int4", 10, marks=pytest.mark.slow),
         pytest.param("fsdp-streaming-int4-outer", 10, marks=pytest.mark.slow),
         pytest.param("ddp-blocking", 15, marks=pytest.mark.slow),
     ],
@@ -371,6 +371,8 @@ def test_node_restarted_while_survivors_are_mid_sync_joins_that_sync(tmp_path, o
     2, restarted 1 s after its death, asks for its first quorum inside that wait. It joins that very sync
     (healed from a live peer; with streaming, an overlapped sync of one fragment), resumes at the step
     after it, and finishes at the survivors' step with their parameters."""
+    from hiersync.schedule import Schedule
+
     kill_at = 6
     cfg = _cfg(
         tmp_path,
@@ -389,12 +391,16 @@ def test_node_restarted_while_survivors_are_mid_sync_joins_that_sync(tmp_path, o
             nodes.start(n, ft_ranks.train, (cfg,))
         _restart_after_death(nodes, 2, 1.0, ft_ranks.train, dict(cfg, start_barrier=None, kill={}))
         out = nodes.wait([0, 1, 2], timeout=120)
-        times = [(t, s) for t, s, _ in nodes.steps(0) if s >= 0]
-    # the survivors' step that held the stalled sync (its quorum waited for the dead node's heartbeat)
-    gap, stalled = max((b[0] - a[0], b[1]) for a, b in itertools.pairwise(times))
-    assert gap > 2.0 and stalled >= kill_at, (gap, stalled)
+    # Every sync the survivors committed had the three nodes: the one after the death waited for
+    # node 2 instead of going on without it, and node 2 resumes at the step after that sync.
     joiner = out[2][0]
-    assert joiner["stats"]["heals"] == 1 and joiner["first"] == stalled + 1, (joiner["first"], stalled)
+    for n in (0, 1):
+        assert out[n][0]["stats"]["failed_syncs"] == 0, out[n][0]["stats"]
+        assert {p for s, _, p in out[n][0]["records"] if s >= kill_at} == {3}, out[n][0]["records"]
+    assert joiner["stats"]["heals"] == 1 and joiner["first"] > kill_at, joiner["first"]
+    schedule = Schedule(period=options["period"], fragments=options.get("fragments", 1))
+    first_sync = next(s for s in range(kill_at, cfg["steps"]) if schedule.is_sync(s))
+    assert joiner["first"] == first_sync + 1, (joiner["first"], first_sync)
     _check_joiner_equals_survivors(out, joiner["first"], 16, exact_syncs=not options.get("overlap"))
     assert not any("no live peer" in w for n in range(3) for w in out[n][0]["warnings"])
 

@@ -296,6 +296,7 @@ def lightning_results(tmp_path_factory):
     return run(_lightning_scenarios, 4, (str(tmp_path_factory.mktemp("lightning")),), node_ids=NODES, timeout=180)
 
 
+@pytest.mark.slow
 def test_lightning_period1_equals_ddp(lightning_results):
     for r in lightning_results:
         assert len(r["ddp"]) == len(r["p1"]) == BATCHES * EPOCHS
@@ -303,6 +304,7 @@ def test_lightning_period1_equals_ddp(lightning_results):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_lightning_period4_invariants_and_fit_end_sync(lightning_results):
     steps = [r["p4"]["after_batch"] for r in lightning_results]
     for i in range(BATCHES * EPOCHS):
@@ -319,6 +321,7 @@ def test_lightning_period4_invariants_and_fit_end_sync(lightning_results):
     assert metrics["hiersync/inter_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_lightning_checkpoint_resume_exact(lightning_results):
     for r in lightning_results:
         resumed = r["p4_resumed"]["after_batch"]
@@ -329,6 +332,7 @@ def test_lightning_checkpoint_resume_exact(lightning_results):
         assert torch.equal(r["p4"]["train_end"], r["p4_resumed"]["train_end"])
 
 
+@pytest.mark.slow
 def test_lightning_checkpoint_saved_after_fit_continues_the_schedule(lightning_results):
     reference = lightning_results[0]["by_step"]["stats"]
     assert reference["sync_steps"] == 2 * BATCHES // 4
@@ -346,6 +350,7 @@ def test_lightning_checkpoint_saved_after_fit_continues_the_schedule(lightning_r
                 assert r[name]["stats"][k] == reference[k], (name, k)
 
 
+@pytest.mark.slow
 def test_lightning_synchronizes_before_validation(lightning_results):
     # epoch 0 ends mid-period (6 steps): the nodes differ, and validation sees one world-mean model
     assert not torch.equal(lightning_results[0]["val_synced"], lightning_results[2]["val_synced"])

@@ -16,6 +16,7 @@ import torch
 from harness import torchrun
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a Trainer run in four processes: CI runs it with -m slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_AT, PERIOD = 12, 6, 4  # as in hf_trainer_ranks.py

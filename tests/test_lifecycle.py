@@ -40,7 +40,7 @@ print("trained", flush=True)
 """
 
 
-@pytest.mark.parametrize("end", ["destroy", "exit"])
+@pytest.mark.parametrize("end", ["destroy", pytest.param("exit", marks=pytest.mark.slow)])
 def test_a_job_that_never_closes_exits_cleanly_with_a_sync_in_flight(end, tmp_path):
     """Interpreter exit with a sync in flight and the state never closed (after the job's own
     destroy_process_group(), or without it): every rank exits 0 (collectives still running at

@@ -80,15 +80,14 @@ def test_namespaces_are_built_shaped_and_removed():
 def test_failing_node_kills_the_others_and_cleans_up(tmp_path):
     script = tmp_path / "fail_on_node1.py"
     script.write_text(
-        "import os, sys, time\nif os.environ['HIERSYNC_TESTBED_NODE'] == '1':\n    sys.exit(3)\ntime.sleep(120)\n"
+        "import os, sys, time\nif os.environ['HIERSYNC_TESTBED_NODE'] == '1':\n    sys.exit(3)\ntime.sleep(3600)\n"
     )
-    start = time.monotonic()
     with Testbed(nodes=2, procs_per_node=1) as tb:
+        # node 0 would sleep an hour: only the failure of node 1 ends the launch
         with pytest.raises(TestbedError, match="node 1"):
-            tb.launch([str(script)], timeout=90, log_dir=tmp_path)
+            tb.launch([str(script)], timeout=3600, log_dir=tmp_path)
         assert all(not netns.ns_pids(ns) for ns in tb.namespaces)
         names = list(tb.namespaces)
-    assert time.monotonic() - start < 60
     assert not set(names) & _netns()
     assert not _procs_running(str(script))
 

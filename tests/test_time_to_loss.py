@@ -103,7 +103,9 @@ def test_wall_clock_from_a_loss_only_run():
     got = stats.combine_steps(rows, loss_rows)
     assert [c["schedule"] for c in got] == ["ddp", "x"]  # y: not in the loss-only run
     assert got[1]["wall_x_ddp"] == pytest.approx(0.22) and got[1]["wall_interval"] == pytest.approx((0.2, 0.24))
-    assert "| x | 0.100 | 1.10 (1.00-1.20) | 0.22 (0.20-0.24) |" in stats.combined_table(got, 8)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in stats.combined_table(got, 8).splitlines()]
+    assert rows[0][2] == "steps vs DDP (8 seeds, 90% interval)"
+    assert ["x", "0.100", "1.10 (1.00-1.20)", "0.22 (0.20-0.24)"] in rows
 
 
 def test_a_warm_up_row_is_timed_by_its_phases():
@@ -165,14 +167,13 @@ def test_seed_lists():
 def test_an_interrupted_launch_stops_the_testbed_with_sigterm(tmp_path):
     """The testbed cleans up (torchrun, ranks, namespaces, rank 0's Lighthouse) on SIGTERM, not on SIGKILL."""
     import signal
-    import time
 
     mark = tmp_path / "terminated"
     child = (
         "import signal, sys, time\n"
         f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').close(), sys.exit(3)))\n"
         "print('up', flush=True)\n"
-        "time.sleep(30)\n"
+        "time.sleep(3600)\n"
     )
     assert ttl._run_testbed([sys.executable, "-c", "print('ok')"]).stdout == "ok\n"
 
@@ -181,14 +182,13 @@ def test_an_interrupted_launch_stops_the_testbed_with_sigterm(tmp_path):
 
     old = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 1.0)
-    t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             ttl._run_testbed([sys.executable, "-c", child])
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert mark.exists() and time.monotonic() - t0 < 20
+    assert mark.exists()  # the child, which would sleep an hour, was sent SIGTERM
 
 
 def test_steps_from_several_loss_only_runs(tmp_path):

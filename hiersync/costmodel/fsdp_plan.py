@@ -39,10 +39,12 @@ from .planner import (
 )
 from .planner_report import (
     BY_STEP_TIME,
+    RECOMMENDED,
     by_step_line,
     held_back_warning,
     outer_args,
     penalty_lines,
+    render_plan_table,
     to_loss_cell,
     to_loss_line,
 )
@@ -288,18 +290,17 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
         f"{plan.units} units of {_gb(unit)}; backward {_ms(plan.backward_s)}, compute {_ms(plan.compute_s)}; "
         f"reshard_after_forward={plan.reshard_after_forward}; launch copies: {plan.copy_source}",
         "",
-        f"{'schedule':<26} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'vs HSDP':>8} {'peak_inter_MB':>13}"
-        + (f" {'penalty':>8} {'to_loss_ms':>11}" if sp else ""),
     ]
+    head = ["schedule", "comm_ms", "exposed_ms", "step_ms", "vs HSDP", "peak_inter_MB"]
+    head += ["penalty", "to_loss_ms"] if sp else []
+    table = []
     for r in plan.rows:
-        mark = "  <- recommended" if r is rec else ""
-        priced = ""
+        cells = [r.schedule, *(f"{s * 1e3:,.1f}" for s in (r.st.comm_s, r.st.exposed_s, r.st.step_s))]
+        cells += [f"{r.speedup:.2f}x", f"{r.st.inter_bytes_peak / 2**20:,.1f}"]
         if sp:
-            priced = f" {r.penalty.cell if r.penalty else '-':>8} {to_loss_cell(r.st.step_s, r.penalty):>11}"
-        lines.append(
-            f"{r.schedule:<26} {r.st.comm_s * 1e3:>11,.1f} {r.st.exposed_s * 1e3:>11,.1f} {r.st.step_s * 1e3:>11,.1f} "
-            f"{r.speedup:>7.2f}x {r.st.inter_bytes_peak / 2**20:>13,.1f}{priced}{mark}"
-        )
+            cells += [r.penalty.cell if r.penalty else "-", to_loss_cell(r.st.step_s, r.penalty)]
+        table.append([*cells, RECOMMENDED if r is rec else ""])
+    lines.append(render_plan_table(head, table))
     if rec.period == 1:
         how = "FSDP2 HSDP: hiersync period=1 (the rail all-reduce of every gradient shard, every step)"
     else:

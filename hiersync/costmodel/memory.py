@@ -3,17 +3,20 @@
 The model of docs/local-sgd.md ("Memory"), which ``benchmarks/memory.py`` measured on the
 testbed. With an attached optimizer (blocking, overlap or streaming) the state is sharded
 1/L across the node's ranks: the fp32 anchor shard (with ``compress`` or an outer optimizer),
-the outer momentum shard (outer optimizer), and per fragment in flight the snapshot and
-payload shards (about 2/L of the fragment's bytes; tau of them in flight; a blocking sync
-holds one payload shard, 1/L, while it runs), plus the node gather's buffer of 1 MiB per
-rank. A sync in the hook keeps the anchor and momentum whole (DDP's buckets are not stable
-chunks). Period 1 (exact) keeps nothing. Pure: no torch.
+the outer momentum shard (outer optimizer), and per fragment in flight (tau of them) the
+node's fp32 buffer of the whole fragment (P/F, whatever L: the snapshot, the payload made in
+place, then the gathered correction) and, with ``compress``, the payload of the rank's 1/L
+shard made beside it (16-bit with bf16; int8/int4 make their codes from an fp32 delta: 4 bytes
+plus the codes' per element); a blocking sync holds one shard, 1/L, while it runs; plus the
+node gather's buffer of 1 MiB per rank. A sync in the hook keeps the anchor and momentum whole
+(DDP's buckets are not stable chunks). Period 1 (exact) keeps nothing. tests/test_planner.py
+checks the model against the measurements in docs/local-sgd.md's table. Pure: no torch.
 
 Example::
 
     >>> m = sync_memory(params=8.4e6, ranks_per_node=2, period=4, fragments=4, overlap=1, compress=True, outer=True)
-    >>> round(m.total / (8.4e6 * 4), 2)  # measured 1.29 P (docs/local-sgd.md)
-    1.31
+    >>> round(m.total / (8.4e6 * 4), 2)  # measured 1.34 P (docs/local-sgd.md)
+    1.37
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class SyncMemory:
     momentum: float
     """fp32 outer momentum (shard), kept with an outer optimizer."""
     in_flight: float
-    """Snapshot and payload shards of the fragments in flight (or being synced)."""
+    """The node buffers and payload shards of the fragments in flight (or the shard being synced)."""
     gather: float
     """The node gather's reused buffer."""
     residual: float = 0.0
@@ -66,14 +69,18 @@ def sync_memory(
     param_bytes: int = FP32_BYTES,
     error_feedback: bool = False,
     nodes: int = 2,
+    payload_bytes: float | None = None,
 ) -> SyncMemory:
     """Extra memory per rank of ``HierState(period, fragments, overlap, compress, outer_lr)``.
 
-    ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (the
-    snapshot and payload follow it); ``attached``: an optimizer is attached (the state is
+    ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (a blocking
+    sync's shard follows it); ``attached``: an optimizer is attached (the state is
     sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on; ``error_feedback``: the
     int8/int4 compression's bf16 residuals: half a state shard, plus 1/``nodes`` of it for the
-    piece the rank re-encodes (the default ``nodes=2`` is the largest that piece gets).
+    piece the rank re-encodes (the default ``nodes=2`` is the largest that piece gets);
+    ``payload_bytes``: with ``compress``, bytes per element of the payload an overlapped sync makes
+    beside its buffer (default 2, bf16's; int8 and int4: 4 + 1 and 4 + 0.5, their fp32 delta and
+    its codes).
     """
     p = check_number("params", params, strict=True)
     lpn = check_count("ranks_per_node", ranks_per_node)
@@ -88,8 +95,11 @@ def sync_memory(
     residual = residual_bytes(state, nodes) if error_feedback else 0.0
     if not attached:  # the hook averages DDP's buckets in place
         return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, residual=residual, sharded=False)
-    fragment = p * param_bytes / f
-    in_flight = tau * 2 * fragment * share if tau else fragment * share
+    if tau:  # the node's fp32 buffer of each fragment in flight, and a compressed payload of the rank's shard
+        extra = check_number("payload_bytes", 2.0 if payload_bytes is None else payload_bytes) if compress else 0.0
+        in_flight = tau * p / f * (FP32_BYTES + share * extra)
+    else:  # a blocking sync: the shard being synced
+        in_flight = p * param_bytes / f * share
     return SyncMemory(
         anchor=anchor,
         momentum=momentum,

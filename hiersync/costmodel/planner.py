@@ -245,6 +245,7 @@ def make_plan(
         nodes=profile.nodes,
         attached=recommended.placement not in (None, "hook"),
         param_bytes=DTYPE_BYTES[dtype],
+        payload_bytes=4 + compression.QUANTIZED_BITS[compress] / 8 if compression.is_quantized(compress) else None,
     )
     logger.debug("plan: %d rows, recommended %s at %g MB", len(rows), recommended.schedule, recommended.bucket_mb)
     plan = Plan(

@@ -252,6 +252,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DETECT_S,
         help=f"collective timeout the survivors wait before dropping a dead node (default {DEFAULT_DETECT_S:g})",
     )
+    slow = parser.add_argument_group("nodes of different speeds")
+    slow.add_argument(
+        "--node-speeds",
+        metavar="S,S,...",
+        help="each node's speed relative to the fastest, one per node (e.g. 1,1,1,0.5: node 3 at half speed): "
+        "prints DDP's, fixed pace's and adaptive pace's throughput against the ideal",
+    )
     racks = parser.add_argument_group("a third level: racks (node -> rack -> world)")
     racks.add_argument("--nodes-per-rack", type=int, help="price a rack level too: nodes behind one top-of-rack switch")
     racks.add_argument(
@@ -301,10 +308,38 @@ def run(args: argparse.Namespace) -> int:
     print(format_plan(plan))
     if args.nodes_per_rack:
         _print_levels(args, plan)
+    if args.node_speeds:
+        _print_paced(args, plan)
     rec = plan.recommended
     state = plan.params * (DTYPE_BYTES[plan.dtype] + ADAMW_STATE_BYTES) + (plan.memory.total if plan.memory else 0.0)
     _print_failures(args, plan.profile, (rec.period or 1) * rec.step_s, state)
     return 0
+
+
+def _print_paced(args: argparse.Namespace, plan: Any) -> None:
+    from .pace import ddp_paced, format_paced, paced, parse_speeds
+
+    try:
+        speeds = parse_speeds(args.node_speeds)
+        if len(speeds) != plan.profile.nodes:
+            raise ValueError(
+                f"--node-speeds has {len(speeds)} speeds for {plan.profile.nodes} nodes: give one per node "
+                "(or --nodes to match)"
+            )
+    except ValueError as err:
+        raise SystemExit(f"python -m hiersync plan: error: {err}") from None
+    # the recommended period, or (where that is 1: the links hide DDP's communication) the largest
+    # one priced, at its best bucket: a slow node makes windows pay where the links alone do not
+    k = (plan.recommended.period or 1) if (plan.recommended.period or 1) > 1 else max(args.periods)
+    rows = [ddp_paced(speeds, compute_s=plan.compute_s, exposed_s=plan.best_ddp.exposed_s)]
+    windows = [r for r in plan.rows if r.period == k and r.period > 1]
+    if windows:  # the row's exposed communication per step, k of them a window
+        best = plan.recommended if plan.recommended.period == k else min(windows, key=lambda r: r.step_s)
+        rows += [
+            paced(speeds, compute_s=plan.compute_s, period=k, sync_s=k * best.exposed_s, pace=pace)
+            for pace in ("fixed", "adaptive")
+        ]
+    print(format_paced(rows, speeds, k))
 
 
 def _print_levels(args: argparse.Namespace, plan: Any) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from hiersync import costmodel as cm
+from hiersync._table import render
 from hiersync.vocab import MiB
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ __all__ = [
     "ddp_call",
     "register_call",
     "format_plan",
+    "RECOMMENDED",
+    "render_plan_table",
     "BY_STEP_TIME",
     "penalty_lines",
     "held_back_warning",
@@ -326,8 +329,17 @@ def compress_line(plan: Plan) -> str:
     )
 
 
+RECOMMENDED = "<- recommended"
+
+
+def render_plan_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """``plan``'s table (and ``plan --fsdp``'s): the schedule, its numbers, and a last column,
+    headed by nothing, that marks the recommended row."""
+    return render([*head, ""], rows, align="l" + "r" * (len(head) - 1) + "l")
+
+
 def format_plan(plan: Plan) -> str:
-    """The plan as a fixed-width table, the recommendation, what to paste, assumptions and warnings."""
+    """The plan as a table, the recommendation, what to paste, assumptions and warnings."""
     p = plan.profile
     rails = p.rails or p.ranks_per_node
     nics = min(rails, p.ranks_per_node)
@@ -339,18 +351,17 @@ def format_plan(plan: Plan) -> str:
         f"links: {links_line(p, nics)}; sync placement: {plan.placement}; "
         f"sync bytes x{plan.compress_ratio:g}; launch copies: {plan.copy_source}",
         "",
-        f"{'schedule':<26} {'bucket_MB':>9} {'comm_ms':>11} {'exposed_ms':>11} {'step_ms':>11} {'speedup':>8} "
-        f"{'peak_inter_MB':>13}" + (f" {'penalty':>8} {'to_loss_ms':>11}" if sp else ""),
     ]
+    head = ["schedule", "bucket_MB", "comm_ms", "exposed_ms", "step_ms", "speedup", "peak_inter_MB"]
+    head += ["penalty", "to_loss_ms"] if sp else []
+    table = []
     for r in plan.rows:
-        mark = "  <- recommended" if r is plan.recommended else ""
-        priced = ""
+        cells = [r.schedule, f"{r.bucket_mb:g}", *(f"{s * 1e3:,.1f}" for s in (r.comm_s, r.exposed_s, r.step_s))]
+        cells += [f"{r.speedup:.2f}x", f"{r.inter_bytes_peak / MiB:,.1f}"]
         if sp:
-            priced = f" {r.penalty.cell if r.penalty else '-':>8} {to_loss_cell(r.step_s, r.penalty):>11}"
-        lines.append(
-            f"{r.schedule:<26} {r.bucket_mb:>9g} {r.comm_s * 1e3:>11,.1f} {r.exposed_s * 1e3:>11,.1f} "
-            f"{r.step_s * 1e3:>11,.1f} {r.speedup:>7.2f}x {r.inter_bytes_peak / MiB:>13,.1f}{priced}{mark}"
-        )
+            cells += [r.penalty.cell if r.penalty else "-", to_loss_cell(r.step_s, r.penalty)]
+        table.append([*cells, RECOMMENDED if r is plan.recommended else ""])
+    lines.append(render_plan_table(head, table))
     rec = plan.recommended
     if not plan.use_hiersync:
         how = "plain DDP (exact all-reduce)"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync._table import render
 from hiersync.vocab import MiB
 
 from .planner import DTYPE_BYTES, copy_s_per_byte
@@ -131,9 +132,8 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row[k]) for k in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    """The rows as a markdown table: the preset's name, then its numbers (as :func:`to_csv` writes them)."""
+    return render(COLUMNS, [[_fmt(row[k]) for k in COLUMNS] for row in rows], markdown=True) + "\n"
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hiersync._table import render
+
 from .links import Link, check_count, check_number
 from .predict import predict_param_sync
 from .profile import Profile
@@ -139,14 +141,22 @@ def format_levels(rows: list[LevelRow], nodes: int, nodes_per_rack: int, oversub
         "",
         f"Three levels: node -> rack ({nodes_per_rack} nodes) -> world ({nodes} nodes), spine oversubscribed "
         f"{oversubscription:g}:1 (syncs priced blocking)",
-        f"  {'mode':<28} {'step ms':>9} {'rack sync ms':>13} {'world sync ms':>14} {'GB/step out of a rack':>22}",
-        f"  (compute {compute_ms:.1f} ms per step plus the syncs, amortized)",
     ]
-    for r in rows:
-        rack = f"{r.rack_s * 1e3:.1f}" if r.rack_period else "-"
-        out.append(
-            f"  {r.name:<28} {r.step_s * 1e3:>9.1f} {rack:>13} {r.world_s * 1e3:>14.1f} {r.spine_bytes / 1e9:>22.2f}"
-        )
+    table = [
+        [
+            r.name,
+            f"{r.step_s * 1e3:.1f}",
+            f"{r.rack_s * 1e3:.1f}" if r.rack_period else "-",
+            f"{r.world_s * 1e3:.1f}",
+            f"{r.spine_bytes / 1e9:.2f}",
+        ]
+        for r in rows
+    ]
+    head, *body = render(
+        ["mode", "step ms", "rack sync ms", "world sync ms", "GB/step out of a rack"], table
+    ).splitlines()
+    # the compute under the header, before the rows
+    out += [f"  {line}" for line in [head, f"(compute {compute_ms:.1f} ms per step plus the syncs, amortized)", *body]]
     three = rows[2]
     out += [
         f"  {rack_verdict(rows, nodes_per_rack, oversubscription)}",

@@ -403,6 +403,8 @@ def format_report(rows: Sequence[Row], *, worst: int = 10, table: bool = True, s
     """Per-regime medians (in sample and leave-one-source-out, and on ``scale_nodes`` nodes and more
     with and without the switch tiers), the fitted latencies and tiers, every row's
     leave-one-source-out ratio (``table``) and the worst rows."""
+    from hiersync._table import render  # here, not at the top: ``import hiersync.costmodel`` imports this module
+
     rows = list(rows)
     fitted = fit_latencies(rows)
     tiers = fit_tiers(rows, fitted)
@@ -442,21 +444,30 @@ def format_report(rows: Sequence[Row], *, worst: int = 10, table: bool = True, s
     )
     lines.append(f"switch tiers fitted on every row: {_fmt_tiers(tiers)} (other fabrics flat)")
     if table:
-        lines += [
-            "",
-            f"{'id':<22} {'regime':<10} {'N x L':>6} {'NICs':>9} {'size':>9} {'measured':>12} {'predicted':>12} "
-            f"{'ratio':>6}  model's choice  flags",
-        ]
+        head = ["id", "regime", "N x L", "NICs", "size", "measured", "predicted", "ratio", "model's choice", "flags"]
+        cells = []
         for p in held_out:
             r = p.row
-            unit = "GB/s" if r.size_bytes is None else "us"
-            scale = 1.0 if r.size_bytes is None else 1e6
-            lines.append(
-                f"{r.id:<22} {r.regime:<10} {r.nodes:>3}x{r.gpus_per_node:<2} {r.nics_per_node:>2}x{r.nic_gbps:<4g}G "
-                f"{_fmt_size(r):>9} {p.measured * scale:>9.1f} {unit:<3}{p.predicted * scale:>9.1f} {unit:<3}"
-                f"{p.ratio:>6.2f}  {p.choice:<16} {','.join(r.flags)}"
+            unit, scale = ("GB/s", 1.0) if r.size_bytes is None else ("us", 1e6)
+            cells.append(
+                [
+                    r.id,
+                    r.regime,
+                    f"{r.nodes}x{r.gpus_per_node}",
+                    f"{r.nics_per_node}x{r.nic_gbps:g}G",
+                    _fmt_size(r),
+                    f"{p.measured * scale:.1f} {unit}",
+                    f"{p.predicted * scale:.1f} {unit}",
+                    f"{p.ratio:.2f}",
+                    p.choice,
+                    ",".join(r.flags),
+                ]
             )
+        lines += ["", render(head, cells, align="llrrrrrrl")]
     ranked = sorted((p for p in held_out if p.row.clean), key=lambda p: p.error, reverse=True)[:worst]
     lines += ["", f"worst {len(ranked)} clean rows, leave-one-source-out (ratio = predicted / measured time):"]
-    lines += [f"  {p.row.id:<22} {p.ratio:5.2f}x  {p.choice:<16} {p.row.hardware} ({p.row.source})" for p in ranked]
+    if ranked:
+        cells = [[p.row.id, f"{p.ratio:.2f}x", p.choice, f"{p.row.hardware} ({p.row.source})"] for p in ranked]
+        table_text = render(["id", "ratio", "model's choice", "hardware (source)"], cells, align="lrl")
+        lines += [f"  {line}" for line in table_text.splitlines()]
     return "\n".join(lines)

@@ -9,4 +9,7 @@ the one module its command needs (:mod:`hiersync.tools.cli`).
   x bucket sizes side by side;
 * :mod:`.testbed` (with :mod:`.netns`) and :mod:`.cluster`: an emulated multi-node
   cluster on one machine, and running a function on every rank of it.
+
+Every table they print is laid out by :func:`hiersync._table.render` (the cost model's ``plan``
+and ``project`` share it).
 """

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hiersync._table import render
+
 from . import bench_noise
 from .bench_rows import row_key
 from .bench_spec import NEVER, STEADY_ROUNDS, parse_schedule
@@ -345,11 +347,7 @@ def format_peer_ratios(ratios: Sequence[dict]) -> str:
         cells = ["-" if v is None else f"{v:.2f}x" for v in p["ratios"].values()]
         extra = " / ".join("-" if v is None else f"{v:.0f}" for v in p["extra_mb"])
         body.append([p["compute"], p["hiersync"], p["torchft"], *cells, extra])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = [
-        "hiersync streaming / each torchft row (same run, same compute model; below 1x: hiersync's is smaller):",
-        "  ".join(h.ljust(w) if i < 3 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))),
-    ]
-    for b in body:
-        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
-    return "\n".join(lines)
+    return (
+        "hiersync streaming / each torchft row (same run, same compute model; below 1x: hiersync's is smaller):\n"
+        + render(head, body, align="lllr")
+    )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hiersync._table import render
+
 __all__ = ["FSDP_HEAD", "format_fsdp_table"]
 
 FSDP_HEAD = (
@@ -54,11 +56,4 @@ def format_fsdp_table(rows: Sequence[dict], markdown: bool = False) -> str | Non
         "fsdp_hsdp's (the same sharded model, gradients and SGD momentum), own shard MB the fp32 parameters a rank "
         "holds (1/L of the model); bwd holds the collectives FSDP2 runs inside backward"
     )
-    if markdown:
-        lines = ["| " + " | ".join(FSDP_HEAD) + " |", "|" + "---|" * len(FSDP_HEAD)]
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-        return "\n".join(lines + ["", note])
-    widths = [max(len(x) for x in col) for col in zip(FSDP_HEAD, *body)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(FSDP_HEAD, widths)))]
-    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))) for b in body]
-    return "\n".join(lines + [note])
+    return render(FSDP_HEAD, body, markdown=markdown) + ("\n\n" if markdown else "\n") + note

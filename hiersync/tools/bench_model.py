@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hiersync import costmodel as cm
+from hiersync._table import render
 from hiersync.costmodel.compression import compress_ratio
 from hiersync.costmodel.planner import copy_speed
 
@@ -184,17 +185,25 @@ def format_comparison(entries: Sequence[dict], source: str) -> str:
     lines = [
         f"cost model vs bench (exposed ms per step; model: {source}, given each compute model's measured "
         "compute_only step and backward)",
-        f"{'schedule':24s} {'compute':7s} {'exposed over':13s} {'model ms':>9s} {'bench ms':>9s} {'95% ms':>6s} "
-        f"{'error':>7s}",
     ]
+    table = []
     for e in entries:
         err = "-" if e["error"] is None else f"{e['error']:+.0%}"
         low, high = e.get("measured_low_s"), e.get("measured_high_s")
         noise = "-" if low is None or high is None else f"+-{(high - low) / 2 * 1e3:.0f}"
-        lines.append(
-            f"{e['schedule']:24s} {e['compute']:7s} {e['reference']:13s} {e['predicted_s'] * 1e3:9.0f} "
-            f"{e['measured_s'] * 1e3:9.0f} {noise:>6s} {err:>7s}"
+        table.append(
+            [
+                e["schedule"],
+                e["compute"],
+                e["reference"],
+                f"{e['predicted_s'] * 1e3:.0f}",
+                f"{e['measured_s'] * 1e3:.0f}",
+                noise,
+                err,
+            ]
         )
+    head = ["schedule", "compute", "exposed over", "model ms", "bench ms", "95% ms", "error"]
+    lines.append(render(head, table, align="lllr"))
     lines.append(
         "95% ms: the half width of the 95% interval of the bench's exposed ms, from both rows' rounds where they ran "
         "in rounds, else from the batch means of their per-step times ('-': a row of under 2 windows)"

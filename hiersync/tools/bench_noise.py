@@ -1,4 +1,4 @@
-"""A bench run's own noise on the figures its claims compare: intervals and verdicts. Pure (numpy only).
+"""A bench run's own noise on the figures its claims compare: intervals and verdicts. Pure (numpy, scipy.stats).
 
 A claim compares two rows of one run, each timed over its own steps, so a ratio (or a
 difference) of two means carries both rows' scatter. The rows' per-step durations
@@ -16,6 +16,11 @@ difference) of two means carries both rows' scatter. The rows' per-step duration
   whole windows with a fixed seed, :func:`quantile_ratio_interval` (rough for p99 of a few dozen
   steps, which is near their maximum: the interval is as wide as the batches' slowest steps differ).
 
+The t intervals are scipy's (``ttest_1samp``, and ``ttest_ind(equal_var=False)`` for Welch's), the
+bootstrap is :func:`bootstrap_interval` (``scipy.stats.bootstrap``), which benchmarks/time_to_loss.py's
+intervals over seeds share; every quantile is numpy's default (linear) rule. scipy is the ``bench``
+extra's: ``pip install 'hiersync[bench]'``.
+
 :func:`verdict` then says PASS or FAIL only when the interval is clear of the bound, and
 ``inconclusive`` where the bound lies inside it. The intervals describe the scatter of the steps
 within each row; a load that changes between two rows (they are timed one after the other) moves
@@ -26,9 +31,12 @@ their ratio by more, which no single run can see: on a host that was loaded befo
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 __all__ = [
     "CONFIDENCE",
@@ -36,11 +44,11 @@ __all__ = [
     "steps_of",
     "runs_of",
     "paired_interval",
-    "t_quantile",
     "batch_length",
     "mean_and_se",
     "ratio_interval",
     "difference_interval",
+    "bootstrap_interval",
     "quantile_ratio_interval",
     "verdict",
     "loaded",
@@ -84,27 +92,13 @@ def runs_of(row: dict) -> list[float]:
     return runs if len(runs) > 1 else []
 
 
-def t_quantile(p: float, df: float) -> float:
-    """Student's t quantile ``p`` with ``df`` degrees of freedom (no scipy).
-
-    ``df`` is rounded down (a larger quantile: a wider interval); 1 and 2 exactly, above that
-    the Cornish-Fisher expansion (Abramowitz and Stegun 26.7.5), within 0.2% from 3 on.
-    """
-    if not 0.5 <= p < 1:
-        raise ValueError(f"p={p} must be in [0.5, 1)")
-    if not df >= 1:
-        raise ValueError(f"df={df} must be >= 1")
-    n = math.floor(df)
-    if n == 1:
-        return math.tan(math.pi * (p - 0.5))
-    if n == 2:
-        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
-    z = statistics.NormalDist().inv_cdf(p)
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / n + g2 / n**2 + g3 / n**3 + g4 / n**4
+def _scipy_stats() -> Any:
+    """``scipy.stats``, imported where an interval is computed (scipy is the bench's extra, not hiersync's)."""
+    try:
+        from scipy import stats
+    except ImportError as e:
+        raise ImportError("the bench's intervals need scipy: pip install 'hiersync[bench]'") from e
+    return stats
 
 
 def batch_length(count: int, period: int = 1) -> int:
@@ -116,6 +110,19 @@ def batch_length(count: int, period: int = 1) -> int:
     return next((b for b in (4, 2) if count // b >= MIN_BATCHES), 1)
 
 
+def _batches(steps: Sequence[float], period: int) -> np.ndarray | None:
+    """``steps`` cut into batches (:func:`batch_length`; a trailing part batch left out), a row each, or None
+    with fewer than 2 batches."""
+    b = batch_length(len(steps), period)
+    m = len(steps) // b
+    return np.asarray(steps[: m * b], dtype=float).reshape(m, b) if m >= 2 else None
+
+
+def _batch_means(steps: Sequence[float], period: int) -> np.ndarray | None:
+    batches = _batches(steps, period)
+    return None if batches is None else batches.mean(axis=1)
+
+
 def mean_and_se(steps: Sequence[float], period: int = 1) -> tuple[float, float, int] | None:
     """(mean step, its standard error, degrees of freedom) by batch means, or None with fewer than 2 batches.
 
@@ -123,25 +130,25 @@ def mean_and_se(steps: Sequence[float], period: int = 1) -> tuple[float, float, 
     window's steps differ by design but their mean does not, so the batches' means are the
     samples, and the standard error is their standard deviation over sqrt(batches).
     """
-    b = batch_length(len(steps), period)
-    m = len(steps) // b
-    if m < 2:
+    means = _batch_means(steps, period)
+    if means is None:
         return None
-    means = [statistics.fmean(steps[i * b : (i + 1) * b]) for i in range(m)]
-    return statistics.fmean(means), statistics.stdev(means) / math.sqrt(m), m - 1
+    return float(means.mean()), float(means.std(ddof=1)) / math.sqrt(len(means)), len(means) - 1
 
 
-def _welch_df(parts: Sequence[tuple[float, int]]) -> float:
-    """Welch-Satterthwaite: degrees of freedom of a sum of variances ``v`` each with ``df``."""
-    total = sum(v for v, _ in parts)
-    denom = sum(v * v / df for v, df in parts)
-    return total * total / denom if denom > 0 else float(sum(df for _, df in parts))
-
-
-def _half_width(parts: Sequence[tuple[float, int]], confidence: float) -> float:
-    """t x sqrt(sum of the variances ``v``) with Welch's degrees of freedom; 0 where they are all 0."""
-    spread = math.sqrt(sum(v for v, _ in parts))
-    return t_quantile(0.5 + confidence / 2, _welch_df(parts)) * spread if spread > 0 else 0.0
+def _t_half_width(x: np.ndarray, y: np.ndarray | None, confidence: float) -> float:
+    """Half the width of Student's t interval of mean(``x``) (``y`` None: n - 1 degrees of freedom) or of
+    mean(``x``) - mean(``y``) (Welch's: unequal variances, Welch-Satterthwaite degrees of freedom); 0 where
+    neither sample scatters (a point: scipy's t would be 0/0)."""
+    if not (np.var(x) > 0 or (y is not None and np.var(y) > 0)):
+        return 0.0
+    stats = _scipy_stats()
+    with warnings.catch_warnings():
+        # a sample whose values agree to float precision warns of precision loss: its spread is ~0 either way
+        warnings.filterwarnings("ignore", "Precision loss", RuntimeWarning)
+        test = stats.ttest_1samp(x, 0.0) if y is None else stats.ttest_ind(x, y, equal_var=False)
+    ci = test.confidence_interval(confidence_level=confidence)
+    return float(ci.high - ci.low) / 2
 
 
 def ratio_interval(
@@ -159,11 +166,13 @@ def ratio_interval(
     centre it on (the rows' printed means; default the steps' own). None where a row has fewer
     than 2 batches.
     """
-    a, b = mean_and_se(steps, period), mean_and_se(ref_steps, ref_period)
-    if a is None or b is None or a[0] <= 0 or b[0] <= 0:
+    a, b = _batch_means(steps, period), _batch_means(ref_steps, ref_period)
+    if a is None or b is None or a.mean() <= 0 or b.mean() <= 0:
         return None
-    h = _half_width([((a[1] / a[0]) ** 2, a[2]), ((b[1] / b[0]) ** 2, b[2])], confidence)
-    centre = a[0] / b[0] if estimate is None else estimate
+    # each row's batch means over their mean: Welch's interval of their difference has log(a/b)'s delta-method
+    # variance, (se_a/a)^2 + (se_b/b)^2, and Welch's degrees of freedom from those two terms
+    h = _t_half_width(a / a.mean(), b / b.mean(), confidence)
+    centre = float(a.mean() / b.mean()) if estimate is None else estimate
     return Interval(centre, centre * math.exp(-h), centre * math.exp(h))
 
 
@@ -177,11 +186,11 @@ def difference_interval(
     estimate: float | None = None,
 ) -> Interval | None:
     """The ``confidence`` interval of mean(``steps``) - mean(``ref_steps``) (seconds), two independent rows."""
-    a, b = mean_and_se(steps, period), mean_and_se(ref_steps, ref_period)
+    a, b = _batch_means(steps, period), _batch_means(ref_steps, ref_period)
     if a is None or b is None:
         return None
-    h = _half_width([(a[1] ** 2, a[2]), (b[1] ** 2, b[2])], confidence)
-    centre = a[0] - b[0] if estimate is None else estimate
+    h = _t_half_width(a, b, confidence)  # Welch's: the batch means of two rows
+    centre = float(a.mean() - b.mean()) if estimate is None else estimate
     return Interval(centre, centre - h, centre + h)
 
 
@@ -204,14 +213,59 @@ def paired_interval(
     n = len(runs)
     if n < 2 or len(ref_runs) != n or (ratio and min(*runs, *ref_runs) <= 0):
         return None
-    d = [math.log(a / b) if ratio else a - b for a, b in zip(runs, ref_runs)]
-    h = _half_width([(statistics.variance(d) / n, n - 1)], confidence)
-    mean = statistics.fmean(d)
+    d = np.array([math.log(a / b) if ratio else a - b for a, b in zip(runs, ref_runs)])
+    h = _t_half_width(d, None, confidence)
+    mean = float(d.mean())
     if ratio:
         centre = math.exp(mean) if estimate is None else estimate
         return Interval(centre, centre * math.exp(-h), centre * math.exp(h))
     centre = mean if estimate is None else estimate
     return Interval(centre, centre - h, centre + h)
+
+
+def bootstrap_interval(
+    samples: Sequence[np.ndarray],
+    statistic: Callable[..., Any],
+    confidence: float = CONFIDENCE,
+    *,
+    vectorized: bool = True,
+    resamples: int = BOOTSTRAP,
+    seed: int = 0,
+) -> tuple[Any, Any]:
+    """The percentile bootstrap interval ``(low, high)`` of ``statistic(*samples)`` (``scipy.stats.bootstrap``).
+
+    Each sample is resampled with replacement on its own (a statistic of paired samples resamples
+    their indices: one sample of ``np.arange(n)``), ``resamples`` times by a generator seeded with
+    ``seed``, so the same data gives the same interval. ``statistic`` takes the resampled samples
+    (and ``axis``, along which they lie, where ``vectorized``) and returns a number, or a vector
+    (then ``low`` and ``high`` are vectors). The ends are the resampled statistics' (1 - confidence)/2
+    and (1 + confidence)/2 quantiles by numpy's linear rule. The percentile method, not scipy's
+    default BCa: BCa gives no interval for samples alike (three seeds of one run: a point here) nor
+    for a statistic that can be inf (a resample whose loss curve never reaches the target), whose
+    draws are ordered as numbers are: an end between a finite draw and an inf one is inf.
+    """
+    stats = _scipy_stats()
+    # inf draws: their (unused) standard error and an end beside one are nan, put right below
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            tuple(samples),
+            statistic,
+            n_resamples=resamples,
+            vectorized=vectorized,
+            confidence_level=confidence,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+        )
+    # the linear rule, (1 - g) x_j + g x_j+1, is nan (0 x inf) where it lands on an order statistic (g = 0)
+    # below an inf draw: there it is that order statistic, x_j
+    tail = (1 - confidence) / 2
+    ends = res.confidence_interval.low, res.confidence_interval.high
+    low, high = (
+        np.where(np.isnan(e), np.quantile(res.bootstrap_distribution, p, axis=-1, method="lower"), e)
+        for e, p in zip(ends, (tail, 1 - tail))
+    )
+    return low, high
 
 
 def quantile_ratio_interval(
@@ -228,31 +282,22 @@ def quantile_ratio_interval(
     """A bootstrap interval of quantile ``q`` (0..100) of ``steps`` over that of ``ref_steps``.
 
     Each resample draws as many whole batches (:func:`batch_length`) of each row as it has, with
-    replacement; the interval is the resampled ratios' percentiles. None where a row has fewer than
-    2 batches.
+    replacement (:func:`bootstrap_interval`). None where a row has fewer than 2 batches or a
+    reference step is not positive.
     """
-    import numpy as np
-
-    def windows(xs: Sequence[float], k: int) -> np.ndarray | None:
-        b = batch_length(len(xs), k)
-        m = len(xs) // b
-        return np.asarray(xs[: m * b], dtype=float).reshape(m, b) if m >= 2 else None
-
-    a, b = windows(steps, period), windows(ref_steps, ref_period)
-    if a is None or b is None:
+    a, b = _batches(steps, period), _batches(ref_steps, ref_period)
+    if a is None or b is None or b.min() <= 0:
         return None
-    rng = np.random.default_rng(seed)
 
-    def resampled(w: np.ndarray) -> np.ndarray:
-        picks = rng.integers(0, len(w), size=(BOOTSTRAP, len(w)))
-        return np.percentile(w[picks].reshape(BOOTSTRAP, -1), q, axis=1)
+    def ratio(i: np.ndarray, j: np.ndarray, axis: int = -1) -> np.ndarray:
+        """The quantiles' ratio over resampled batch indices ``i``, ``j`` (..., batches): the drawn batches' steps."""
+        qa = np.percentile(a[i].reshape(*i.shape[:-1], -1), q, axis=-1)
+        qb = np.percentile(b[j].reshape(*j.shape[:-1], -1), q, axis=-1)
+        return qa / qb
 
-    ref = resampled(b)
-    if not (ref > 0).all():
-        return None
-    ratios = resampled(a) / ref
-    tail = (1 - confidence) / 2 * 100
-    low, high = (float(x) for x in np.percentile(ratios, [tail, 100 - tail]))
+    low, high = (
+        float(x) for x in bootstrap_interval((np.arange(len(a)), np.arange(len(b))), ratio, confidence, seed=seed)
+    )
     centre = float(np.percentile(a, q) / np.percentile(b, q)) if estimate is None else estimate
     return Interval(centre, min(low, centre), max(high, centre))
 

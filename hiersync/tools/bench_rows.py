@@ -8,16 +8,16 @@ against PyTorch's post-local SGD at the same k, always within one compute model.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from .bench_spec import NEVER
 
 __all__ = [
     "PHASES",
-    "percentile",
     "step_durations",
     "node_bytes_per_step",
     "summarize",
@@ -25,19 +25,6 @@ __all__ = [
 ]
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q={q} must be in 0..100")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def step_durations(runs: Sequence[dict]) -> list[float]:
@@ -213,8 +200,9 @@ def _numbers(runs: Sequence[dict], run0: dict, nodes: Sequence[Sequence[int]]) -
     counted = node_bytes_per_step(runs, nodes)
     out: dict[str, Any] = {
         "step_s": max(r["unsync_elapsed"] for r in runs) / run0["steps"],
-        "step_p50_s": percentile(per_step, 50),
-        "step_p99_s": percentile(per_step, 99),
+        # numpy's default (linear) rule, as every quantile of the bench and its intervals
+        "step_p50_s": float(np.percentile(per_step, 50)),
+        "step_p99_s": float(np.percentile(per_step, 99)),
         "step_std_s": statistics.pstdev(per_step) if len(per_step) > 1 else 0.0,
         "step_durations_s": ";".join(f"{d:.4f}" for d in per_step),
         # CPU seconds per timed step, mean over ranks (all threads: compute, gloo's transfers)

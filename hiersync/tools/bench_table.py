@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from hiersync._table import render
+
 from .bench_fsdp_table import format_fsdp_table
 from .bench_rows import PHASES, row_key
 
@@ -62,8 +64,8 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
         title = f"{model} ({size}), bucket {bucket:g} MB, compute {compute}: {COMPUTE_LABELS.get(compute, compute)}"
         body = []
         for r in rs:
-            if r["unsupported"]:
-                body.append([r["schedule"], r.get("compute", "cpu"), "not supported by this hiersync version"])
+            if r["unsupported"]:  # its reason under the table: the cell would widen the column
+                body.append([r["schedule"], r.get("compute", "cpu"), "n/a"])
                 continue
             star = "*" if r.get("inter_source") == "modelled" else ""
             body.append(
@@ -80,28 +82,24 @@ def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
                 + [_fmt(r["inter_mb_step_mean"], ".1f", star), _fmt(r["inter_mb_step_peak"], ".1f", star)]
                 + [_fmt(r.get("extra_mb"), ".0f")]
             )
-        notes = [n for n in (_bytes_note(rs), _memory_note(rs), _sleep_note(rs)) if n]
+        notes = [n for n in (_unsupported_note(rs), _bytes_note(rs), _memory_note(rs), _sleep_note(rs)) if n]
         fsdp = format_fsdp_table(rs, markdown)
         if fsdp:
             notes.append(("\n" if markdown else "") + fsdp)
         if markdown:
-            lines += [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            lines += ["| " + " | ".join(b + [""] * (len(head) - len(b))) + " |" for b in body]
+            lines += [f"**{title}**", "", render(head, body, align="llr", markdown=True)]
             for note in notes:
                 lines += ["", note]
             lines.append("")
         else:
-            full = [b for b in body if len(b) == len(head)]
-            widths = [max(len(str(x)) for x in col) for col in zip(head, *full)]
-            widths[0] = max([widths[0]] + [len(b[0]) for b in body])
-            widths[1] = max([widths[1]] + [len(b[1]) for b in body])
-            lines.append(title)
-            lines.append("  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
-            for b in body:
-                lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
-            lines += notes
-            lines.append("")
+            lines += [title, render(head, body, align="llr"), *notes, ""]
     return "\n".join(lines)
+
+
+def _unsupported_note(rows: Sequence[dict]) -> str | None:
+    """Why a row's numbers are n/a: the schedule this hiersync could not build, and its reason."""
+    why = [f"{r['schedule']} {r['unsupported']}" for r in rows if r["unsupported"]]
+    return "n/a: " + "; ".join(why) if why else None
 
 
 def _bytes_note(rows: Sequence[dict]) -> str | None:

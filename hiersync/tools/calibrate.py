@@ -48,6 +48,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from hiersync import costmodel as cm
+from hiersync._table import render
 from hiersync.vocab import format_size, parse_size
 
 from .sweep import FULL_SIZES, INTRA_COLLECTIVES, LEVELS, QUICK_SIZES, SweepConfig, sweep, time_op, time_ops
@@ -215,13 +216,20 @@ def format_fits(profile: cm.Profile, fits: Mapping[str, cm.LinkFit]) -> str:
         f"profile {profile.name} [{profile.backend}]: {profile.nodes} nodes x {profile.ranks_per_node} ranks, "
         f"{profile.rails or profile.ranks_per_node} NIC(s) per node",
         "",
-        f"{'level':<20} {'ranks':>5} {'alpha_us':>10} {'GB/s':>9} {'R^2':>8} {'max_err':>8} {'points':>6}",
     ]
-    for level, f in fits.items():
-        lines.append(
-            f"{level:<20} {meta[level]['ranks']:>5} {f.link.alpha * 1e6:>10.2f} {f.link.bandwidth / 1e9:>9.4g} "
-            f"{f.r2:>8.5f} {f.max_rel_error:>7.1%} {f.num_points:>6}"
-        )
+    table = [
+        [
+            level,
+            str(meta[level]["ranks"]),
+            f"{f.link.alpha * 1e6:.2f}",
+            f"{f.link.bandwidth / 1e9:.4g}",
+            f"{f.r2:.5f}",
+            f"{f.max_rel_error:.1%}",
+            str(f.num_points),
+        ]
+        for level, f in fits.items()
+    ]
+    lines.append(render(["level", "ranks", "alpha_us", "GB/s", "R^2", "max_err", "points"], table))
     lines.append(
         f"profile links: intra {profile.intra.alpha * 1e6:.2f} us, {profile.intra.bandwidth / 1e9:.4g} GB/s; "
         f"inter (per NIC) {profile.inter.alpha * 1e6:.2f} us, {profile.inter.bandwidth / 1e9:.4g} GB/s"
@@ -242,11 +250,12 @@ def format_fits(profile: cm.Profile, fits: Mapping[str, cm.LinkFit]) -> str:
         lines += [
             "",
             f"{level}: {what} on {p} ranks",
-            f"{'bytes':>12} {'measured_us':>12} {'fitted_us':>12} {'error':>7}",
         ]
+        table = []
         for n, t in points.get(level, []):
             pred = _PREDICT[what](meta[level]["algorithm"], p, n, f.link)
-            lines.append(f"{format_size(n):>12} {t * 1e6:>12.1f} {pred * 1e6:>12.1f} {(pred - t) / t:>+7.1%}")
+            table.append([format_size(n), f"{t * 1e6:.1f}", f"{pred * 1e6:.1f}", f"{(pred - t) / t:+.1%}"])
+        lines.append(render(["bytes", "measured_us", "fitted_us", "error"], table, align="r"))
     return "\n".join(lines)
 
 

@@ -23,6 +23,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hiersync._table import render
+
 if TYPE_CHECKING:
     from .chaos import ChaosConfig
 
@@ -340,23 +342,35 @@ def table(analyses: list[dict[str, Any]], seeds: list[int]) -> str:
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    lines = [
-        "| seed | faults | goodput | stall p50 / p95 s | restart -> contributing p50 / p95 s | heal p50 s "
-        "| windows dropped | val loss vs no faults (same steps) | vs no faults at the same useful work "
-        "(nothing lost: at most +1%) | invariants |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    head = [
+        "seed",
+        "faults",
+        "goodput",
+        "stall p50 / p95 s",
+        "restart -> contributing p50 / p95 s",
+        "heal p50 s",
+        "windows dropped",
+        "val loss vs no faults (same steps)",
+        "vs no faults at the same useful work (nothing lost: at most +1%)",
+        "invariants",
     ]
+    rows = []
     for seed, a in zip(seeds, analyses):
         r = a["restart_to_contributing_sync_s"]
-        lines.append(
-            f"| {seed} | {a['faults']} | {a['goodput']:.3f} | {f(a['stall_s']['p50'], '.2f')} / "
-            f"{f(a['stall_s']['p95'], '.2f')} | {f(r['p50'], '.2f')} / {f(r['p95'], '.2f')} | "
-            f"{f(a['heal_s']['p50'], '.2f')} | {a['windows_dropped']} | {f(a['val_loss_vs_reference'], '+.2%')} | "
-            f"{f(a['val_loss_vs_work_matched'], '+.2%')} "
-            + ("" if a["nothing_lost"] is None else "(yes)" if a["nothing_lost"] else "(NO)")
-            + " | "
-            + ("all held" if not a["violations"] else f"{len(a['violations'])} violated")
-            + (f", {len(a['errors'])} errors" if a["errors"] else "")
-            + " |"
+        judged = "" if a["nothing_lost"] is None else " (yes)" if a["nothing_lost"] else " (NO)"
+        invariants = "all held" if not a["violations"] else f"{len(a['violations'])} violated"
+        rows.append(
+            [
+                str(seed),
+                str(a["faults"]),
+                f"{a['goodput']:.3f}",
+                f"{f(a['stall_s']['p50'], '.2f')} / {f(a['stall_s']['p95'], '.2f')}",
+                f"{f(r['p50'], '.2f')} / {f(r['p95'], '.2f')}",
+                f(a["heal_s"]["p50"], ".2f"),
+                str(a["windows_dropped"]),
+                f(a["val_loss_vs_reference"], "+.2%"),
+                f(a["val_loss_vs_work_matched"], "+.2%") + judged,
+                invariants + (f", {len(a['errors'])} errors" if a["errors"] else ""),
+            ]
         )
-    return "\n".join(lines)
+    return render(head, rows, align="rrrrrrrrrl", markdown=True)

@@ -36,13 +36,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hiersync._table import render
 from hiersync.vocab import GiB, KiB, MiB, format_size, parse_count, parse_size
 
 from .collbench import busbw_factor
@@ -60,27 +60,46 @@ PARITY_RTOL = 1e-5
 
 # --------------------------------------------------------------------------- pure parts
 def memory_rows(L: int, params: float | None = None, *, period: int = 4, fragments: int = 4, tau: int = 1) -> list:
-    """Extra memory per rank of each mode over DDP, steady state (docs/local-sgd.md, "Memory").
+    """Extra memory per rank of each mode over DDP, steady state: the model of docs/local-sgd.md
+    ("Memory"), :func:`hiersync.costmodel.memory.sync_memory`.
 
-    With an attached optimizer the local-SGD state is kept for this rank's 1/L shard:
-    fp32 anchor (needed with ``compress`` or an outer step) and outer momentum, 1/L of the
-    fp32 parameter bytes P each; a sync in flight (overlap) holds a snapshot and a payload
-    of its bytes, 2/L. Transients (one chunk of ``chunk_mb``, 25 MiB) come on top.
+    With an attached optimizer the local-SGD state is kept for this rank's 1/L shard: fp32
+    anchor (needed with ``compress`` or an outer step) and outer momentum, 1/L of the fp32
+    parameter bytes P each; each fragment in flight (overlap) holds the node's fp32 buffer of
+    it (P/F, whatever L) and its bf16 payload of this rank's shard. Transients (a blocking
+    sync's shard, the gather's piece, one chunk of ``chunk_mb``, 25 MiB) come on top.
     """
+    from hiersync.costmodel.memory import sync_memory
+
     P = None if params is None else 4.0 * params
-    inflight = math.ceil(tau * fragments / period) / fragments  # fraction of the model in flight
+    whole = 1.0 if params is None else float(params)
+
+    def fraction(**kw: Any) -> float:
+        m = sync_memory(params=whole, ranks_per_node=L, **kw)
+        steady = m.anchor + m.momentum + m.residual + (m.in_flight if kw.get("overlap") else 0.0)
+        return steady / (4.0 * whole)
+
+    bf16_outer = dict(period=4, compress=True, outer=True)
     rows = [
-        ("period=1 (exact)", "0", 0.0),
-        ("k>1, plain average", "0 (+ transient chunk)", 0.0),
-        ("k>1, compress=bf16", "anchor 1/L", 1 / L),
-        ("k>1, bf16 + outer Nesterov", "anchor + momentum 2/L", 2 / L),
-        ("k>1, overlap, bf16 + outer", "2/L + in flight (snapshot + payload) 2/L", 4 / L),
+        ("period=1 (exact)", "0", fraction(period=1)),
+        ("k>1, plain average", "0 (+ transient chunk)", fraction(period=4)),
+        ("k>1, compress=bf16", "anchor 1/L", fraction(period=4, compress=True)),
+        ("k>1, bf16 + outer Nesterov", "anchor + momentum 2/L", fraction(**bf16_outer)),
+        (
+            "k>1, overlap, bf16 + outer",
+            "2/L + in flight: the node's fp32 buffer 1 + bf16 payload 1/(2L)",
+            fraction(**bf16_outer, overlap=1),
+        ),
         (
             f"k={period} F={fragments} tau={tau}, bf16 + outer",
-            f"2/L + 2/L x {inflight:g} of the model in flight",
-            2 / L + 2 / L * inflight,
+            f"2/L + {tau} x (1/{fragments} + 1/(2L x {fragments})) in flight",
+            fraction(**dict(bf16_outer, period=period), fragments=fragments, overlap=tau),
         ),
-        ("in the hook (no optimizer), bf16 + outer", "whole state: anchor + momentum 2", 2.0),
+        (
+            "in the hook (no optimizer), bf16 + outer",
+            "whole state: anchor + momentum 2",
+            fraction(**bf16_outer, attached=False),
+        ),
     ]
     return [
         {"mode": m, "formula": f, "fraction_of_P": frac, "bytes": None if P is None else frac * P}
@@ -105,11 +124,7 @@ def bw_rows(name: str, points: Sequence[tuple[int, float]], ranks: int, concurre
 
 
 def _table(head: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    return [
-        "  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-        for row in [head, *body]
-    ]
+    return ["  " + line for line in render(head, body, align="llr").splitlines()]
 
 
 def format_report(rep: dict) -> str:

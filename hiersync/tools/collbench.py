@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hiersync._io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from hiersync._table import render
 from hiersync.vocab import GiB, KiB, MiB, parse_size
 
 from .linkrate import tcp_throughput
@@ -219,13 +220,7 @@ def format_table(rows: Sequence[dict], tcp_MBps: float | None, markdown: bool = 
                 pct,
             ]
         )
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
-    return "\n".join(lines)
+    return render(head, body, align="r", markdown=markdown)
 
 
 def _plot(rows: Sequence[dict], tcp_MBps: float | None, title: str) -> bytes | None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hiersync._table import render
+
 from .netns import descendants, kill, pid_alive, signals_raise
 
 # torchft's Rust side logs every quorum at INFO to stderr unless told otherwise (read at its import).
@@ -305,13 +307,9 @@ def report(summary: dict[str, Any]) -> str:
     steps = sorted({s for r in runs.values() for s, _ in r["curve"]})
     names = list(runs)
     lines.append("loss per node (node.incarnation):")
-    lines.append("  step  " + "  ".join(f"{n:>8}" for n in names))
-    for s in steps:
-        cells = []
-        for n in names:
-            d = dict(runs[n]["curve"])
-            cells.append(f"{d[s]:8.4f}" if s in d else f"{'':>8}")
-        lines.append(f"  {s:4d}  " + "  ".join(cells))
+    curves = [dict(runs[n]["curve"]) for n in names]
+    table = [[str(s), *(f"{d[s]:.4f}" if s in d else "" for d in curves)] for s in steps]
+    lines += [f"  {line}" for line in render(["step", *names], table, align="r").splitlines()]
     for ev in summary["events"]:
         lines.append(f"node {ev['killed']} killed after step {ev['at_step']}:")
         for node, g in ev["survivors"].items():

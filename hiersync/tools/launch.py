@@ -147,9 +147,10 @@ def run_all(
 ) -> list[Outcome]:
     """Run ``fn(*args)`` on ``world_size`` ranks and return every rank's :class:`Outcome`.
 
-    With ``fail_fast`` the first failing rank kills the others (their exit code becomes
-    ``-SIGKILL``). Without it every rank runs until it exits or ``timeout`` passes (used by
-    tests that kill a rank on purpose and check how the survivors fail).
+    With ``fail_fast`` the first failing rank kills the others (killed while still running:
+    their ``exitcode`` is None, as for ranks still running at ``timeout``). Without it every
+    rank runs until it exits or ``timeout`` passes (used by tests that kill a rank on purpose
+    and check how the survivors fail).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
