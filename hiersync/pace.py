@@ -1,10 +1,11 @@
 """Pace: how many inner steps each node takes in a window, from the step times of every node.
 
-``pace="fixed"`` (the default) gives every node ``period`` steps a window, so every node waits
-at each sync for the slowest. ``pace="adaptive"`` (DESIGN.md, "Pace") gives the fastest node
+Fixed pace (today's runtime) gives every node ``period`` steps a window, so every node waits
+at each sync for the slowest. Adaptive pace gives the fastest node
 ``period`` steps and every other node the whole number of its own steps that fits in the same
 time, at least 1, so that the nodes reach the sync together. The decision is this module's
-:func:`steps_per_window`, the same function the cost model prices (:mod:`hiersync.costmodel.pace`).
+:func:`steps_per_window`, which the cost model prices (:mod:`hiersync.costmodel.pace`, ``plan
+--node-speeds``); the runtime does not pace yet.
 
 A step time is a node's whole step (forward, backward, update), not its wait at a sync. A node
 within :data:`TOLERANCE` of the fastest takes ``period``: timer noise never costs it a step.

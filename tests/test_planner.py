@@ -649,13 +649,20 @@ def test_surviving_in_place_costs_the_same_whatever_the_size():
     assert big.goodput_in_place > big.goodput_restart
 
 
+def test_a_death_is_priced_at_the_contact_bound_the_runtime_uses():
+    from hiersync.costmodel.failures import DEFAULT_DETECT_S
+    from hiersync.transport import HEARTBEAT_TIMEOUT_S
+
+    assert DEFAULT_DETECT_S == HEARTBEAT_TIMEOUT_S
+
+
 def test_plan_prints_the_failure_lines(capsys):
     argv = ["plan", "--preset", "a100-1nic", "--params", "7e9", "--nodes", "1024", "--backward-ms", "300"]
     assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--bucket-mb", "25"]) == 0
     out = capsys.readouterr().out
     assert "node MTBF 6,335 h (Llama 3's 419 interruptions in 54 days on 2,048 nodes)" in out
     assert "1024 nodes: 3.88 interruptions per day" in out and "Young/Daly interval" in out
-    assert "survive in place (hiersync on torchft)" in out
+    assert "survive in place (hiersync on torchft)" in out and "(5.0 s heartbeat timeout for all," in out
     assert cli.main([*argv, "--forward-ms", "150", "--fragments", "0", "--node-mtbf-hours", "1000"]) == 0
     assert "node MTBF 1,000 h (--node-mtbf-hours)" in capsys.readouterr().out
     parser = argparse.ArgumentParser()

@@ -15,9 +15,11 @@ Two ways to live with it (:func:`failure_plan`):
   time, and the goodput (useful work / wall time) at that interval is Daly's exact expression
   for exponential failures: ``tau / (M e^(R/M) (e^((tau + delta)/M) - 1))``.
 * **Survive in place** (hiersync on torchft): the survivors go on. A failure costs the whole job
-  ``detect_s`` (the survivors wait out the collective timeout before the quorum drops the dead
-  node), and the dead node's share of the job for its lost window (the steps since its last
-  sync, a whole window at most), its restart and a joiner's recovery from a live peer:
+  ``detect_s`` (the survivors' next quorum waits for the dead node's heartbeat to expire, the
+  contact bound of ``register(..., heartbeat_timeout=)``: 5 s, torchft's default; a node that
+  freezes inside a window's data costs the collective timeout instead), and the dead node's
+  share of the job for its lost window (the steps since its last sync, a whole window at most),
+  its restart and a joiner's recovery from a live peer:
   ``detect_s + (window_s + restart_s + recovery_s) / N`` seconds of the whole job per failure,
   so goodput ``1 - (N detect_s + window_s + restart_s + recovery_s) / node MTBF``: the cost of
   a failure no longer grows with the job.
@@ -56,8 +58,10 @@ DEFAULT_CHECKPOINT_S = 60.0
 DEFAULT_RESTART_S = 600.0
 """Seconds from a failure to training again after a restart (assumed: rescheduling, process
 start, NCCL init and loading the checkpoint)."""
-DEFAULT_DETECT_S = 60.0
-"""Seconds the survivors wait before the quorum drops a dead node: the collective timeout."""
+DEFAULT_DETECT_S = 5.0
+"""Seconds the survivors wait before the quorum drops a dead node: the Lighthouse's heartbeat timeout,
+hiersync's contact bound (``hiersync.transport.HEARTBEAT_TIMEOUT_S``; docs/fault-tolerance.md measured
+a survivor's stall per fault at p50 4.8-5.1 s at docs/cluster.md's settings)."""
 
 
 def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
@@ -171,7 +175,7 @@ def format_failures(fp: FailurePlan, *, mtbf_source: str) -> list[str]:
         f"every rank): Young/Daly interval {_duration(fp.interval_s)} of work between checkpoints, goodput "
         f"{fp.goodput_restart:.2%}",
         f"  survive in place (hiersync on torchft): a failure costs the job {_duration(fp.in_place_cost_s)} "
-        f"({_duration(fp.detect_s)} timeout for all, plus 1/{fp.nodes} of: the dead node's window "
+        f"({_duration(fp.detect_s)} heartbeat timeout for all, plus 1/{fp.nodes} of: the dead node's window "
         f"{_duration(fp.window_s)} + its restart {_duration(fp.restart_s)} + a joiner's recovery from a live peer "
         f"{_duration(fp.recovery_s)}): goodput {fp.goodput_in_place:.2%}",
     ]

@@ -150,7 +150,7 @@ def format_paced(rows: Sequence[Paced], speeds: Sequence[float], period: int) ->
     lines = [head, *("  " + line for line in table.splitlines())]
     if any(r.pace == "adaptive" for r in rows):
         lines.append(
-            "  adaptive pace (DESIGN.md, 'Pace') is priced here; this version's runtime runs fixed pace: every node "
-            "waits at each sync for the slowest"
+            "  adaptive pace is priced here, not run: this version's runtime runs fixed pace (every node waits at "
+            "each sync for the slowest)"
         )
     return "\n".join(lines)

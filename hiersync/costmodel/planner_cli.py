@@ -250,7 +250,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--detect-s",
         type=float,
         default=DEFAULT_DETECT_S,
-        help=f"collective timeout the survivors wait before dropping a dead node (default {DEFAULT_DETECT_S:g})",
+        help="seconds the survivors wait before their quorum drops a dead node: the Lighthouse's heartbeat timeout "
+        f"(register(..., heartbeat_timeout=); default {DEFAULT_DETECT_S:g})",
     )
     slow = parser.add_argument_group("nodes of different speeds")
     slow.add_argument(
