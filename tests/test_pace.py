@@ -88,8 +88,8 @@ def test_ddp_waits_for_the_slowest_every_step():
 
 
 def test_speeds_are_checked():
-    assert parse_speeds("1, 1,0.5") == [1.0, 1.0, 0.5]
-    for text, match in [("1,x", "numbers separated by commas"), ("1,1.5", r"in \(0, 1\]"), ("1,0", r"in \(0, 1\]")]:
+    assert parse_speeds("1, 1,0.5") == [1.0, 1.0, 0.5] == parse_speeds("2,2,1")  # relative to the fastest
+    for text, match in [("1,x", "numbers separated by commas"), ("1,-1", "finite and > 0"), ("1,0", "finite and > 0")]:
         with pytest.raises(ValueError, match=match):
             parse_speeds(text)
 

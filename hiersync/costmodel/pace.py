@@ -57,7 +57,8 @@ class Paced:
 
 
 def parse_speeds(text: str) -> list[float]:
-    """``"1,1,1,0.5"`` -> ``[1.0, 1.0, 1.0, 0.5]``: one relative speed per node, each in (0, 1]."""
+    """``"1,1,1,0.5"`` -> ``[1.0, 1.0, 1.0, 0.5]``: one speed per node, relative to the fastest
+    (``"2,2,2,1"`` is the same: divided by the largest)."""
     try:
         speeds = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -66,13 +67,15 @@ def parse_speeds(text: str) -> list[float]:
 
 
 def check_speeds(speeds: Sequence[float]) -> list[float]:
+    """``speeds`` divided by the largest (the fastest node is 1); a ``ValueError`` for none or one <= 0."""
     speeds = [float(s) for s in speeds]
     if not speeds:
         raise ValueError("node speeds: give one per node (e.g. 1,1,1,0.5)")
-    bad = [s for s in speeds if not (0 < s <= 1 and math.isfinite(s))]
+    bad = [s for s in speeds if not (s > 0 and math.isfinite(s))]
     if bad:
-        raise ValueError(f"node speeds must be in (0, 1] (1 = the fastest node), got {bad}")
-    return speeds
+        raise ValueError(f"node speeds must be finite and > 0 (relative to the fastest, e.g. 1,1,1,0.5), got {bad}")
+    top = max(speeds)
+    return [s / top for s in speeds]
 
 
 def paced(
