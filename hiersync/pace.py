@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["PACES", "TOLERANCE", "check_pace", "steps_per_window"]
+__all__ = ["PACES", "TOLERANCE", "check_pace", "check_positive", "steps_per_window"]
 
 PACES = ("fixed", "adaptive")
 TOLERANCE = 0.05
@@ -31,6 +31,17 @@ def check_pace(pace: object) -> str:
     if pace not in PACES:
         raise ValueError(f"pace must be one of {', '.join(map(repr, PACES))}, got {pace!r}")
     return str(pace)
+
+
+def check_positive(values: Sequence[float], what: str) -> list[float]:
+    """``values`` as floats, one at least, each finite and > 0; a ``ValueError`` naming ``what`` otherwise."""
+    out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"{what}: none given")
+    bad = [v for v in out if not (v > 0 and math.isfinite(v))]
+    if bad:
+        raise ValueError(f"{what} must be finite and > 0, got {bad}")
+    return out
 
 
 def steps_per_window(step_s: Sequence[float], period: int, tolerance: float = TOLERANCE) -> list[int]:
@@ -47,11 +58,6 @@ def steps_per_window(step_s: Sequence[float], period: int, tolerance: float = TO
         raise ValueError(f"period must be an int >= 1, got {period!r}")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
-    times = [float(t) for t in step_s]
-    if not times:
-        raise ValueError("step_s is empty: pass one step time per node")
-    bad = [t for t in times if not (t > 0 and math.isfinite(t))]
-    if bad:
-        raise ValueError(f"step times must be finite and > 0 seconds, got {bad}")
+    times = check_positive(step_s, "step times (seconds, one per node)")
     fastest = min(times)
     return [min(period, max(1, math.floor(period * fastest / t * (1 + tolerance)))) for t in times]

@@ -45,7 +45,7 @@ def test_every_node_fits_the_fastests_window_and_no_whole_step_more(times, perio
 @pytest.mark.parametrize(
     "times, period, match",
     [
-        ([], 4, "empty"),
+        ([], 4, "none given"),
         ([0.1, 0.0], 4, "finite and > 0"),
         ([0.1, math.nan], 4, "finite and > 0"),
         ([0.1], 0, "period must be an int >= 1"),

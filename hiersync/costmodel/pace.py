@@ -23,11 +23,10 @@ converges as far per sample is measured, not modelled. Pure: no torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hiersync.pace import TOLERANCE, check_pace, steps_per_window
+from hiersync.pace import TOLERANCE, check_pace, check_positive, steps_per_window
 
 from .links import check_count, check_number
 
@@ -68,12 +67,7 @@ def parse_speeds(text: str) -> list[float]:
 
 def check_speeds(speeds: Sequence[float]) -> list[float]:
     """``speeds`` divided by the largest (the fastest node is 1); a ``ValueError`` for none or one <= 0."""
-    speeds = [float(s) for s in speeds]
-    if not speeds:
-        raise ValueError("node speeds: give one per node (e.g. 1,1,1,0.5)")
-    bad = [s for s in speeds if not (s > 0 and math.isfinite(s))]
-    if bad:
-        raise ValueError(f"node speeds must be finite and > 0 (relative to the fastest, e.g. 1,1,1,0.5), got {bad}")
+    speeds = check_positive(speeds, "node speeds (relative to the fastest, one per node, e.g. 1,1,1,0.5)")
     top = max(speeds)
     return [s / top for s in speeds]
 
