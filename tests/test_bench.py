@@ -198,9 +198,9 @@ def test_only_the_timed_steps_are_timed(world1):
     from hiersync.tools import bench_steps
 
     spec = bench.parse_schedule("ddp")
-    warmup, attributed, timed = 2, bench_spec.attributed_steps(spec), [0.01, 0.05, 0.09]
+    warmup, attributed, timed = 2, bench_spec.attributed_steps(spec), [0.01, 0.02, 0.04]
     config = {"warmup": warmup, "steps": len(timed), "seed": 0, "min_seconds": 0.0, "burn_seconds": 0.0}
-    untimed = [0.25] * warmup + [0.15] * attributed + [0.25] * bench_spec.BURN_STEPS
+    untimed = [0.3] * warmup + [0.2] * attributed + [0.3] * bench_spec.BURN_STEPS
     sleeps = untimed + timed
     calls: list[int] = []
 
@@ -222,12 +222,12 @@ def test_only_the_timed_steps_are_timed(world1):
     assert len(calls) == len(sleeps) == bench_spec.run_steps(spec, warmup, len(timed))
     assert out["steps"] == len(timed) and len(out["attributed"]) == attributed
     # the attributed steps are the ones after the warmup (their data phase holds their sleep)
-    assert all(0.15 <= a["data"] < 0.25 for a in out["attributed"]), out["attributed"]
+    assert all(0.2 <= a["data"] < 0.3 for a in out["attributed"]), out["attributed"]
     ends = out["unsync_step_ends"]
     durations = [b - a for a, b in zip([0.0, *ends], ends)]
     assert len(durations) == len(timed)
     for got, want in zip(durations, timed):
-        assert want <= got < 0.15, (durations, timed)  # below every untimed step's sleep
+        assert want <= got < 0.2, (durations, timed)  # below every untimed step's sleep (0.16 s of slack)
 
 
 def test_burn_and_timed_counts_follow_the_attributed_pace(world1):
