@@ -16,13 +16,20 @@ from tabulate import tabulate
 __all__ = ["render"]
 
 
-def render(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align: str = "lr", markdown: bool = False) -> str:
+def render(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    align: str = "lr",
+    markdown: bool = False,
+    indent: str = "",
+) -> str:
     """``rows`` under ``headers``, plain text or (``markdown``) a pipe table whose separator says the alignment.
 
     ``align``: one ``"l"`` or ``"r"`` per column, its last letter repeated for the columns after it
     (``"lr"``: a name, then numbers; ``"llr"``: two names, then numbers). Cells are printed as
     given: tabulate's number parsing is off (it would print "0.100" as "0.1"). A short row is
-    padded with empty cells.
+    padded with empty cells. ``indent`` starts every line of a plain-text table (a table under a heading).
     """
     if not align or set(align) - {"l", "r"}:
         raise ValueError(f"align={align!r}: one 'l' or 'r' per column (the last one repeats)")
@@ -34,4 +41,4 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align: str 
     # the headers as the first row: tabulate widens a headed column to its header + 2 (MIN_PADDING),
     # which would double the two spaces between columns
     text = tabulate([list(headers), *cells], tablefmt="plain", colalign=colalign, disable_numparse=True)
-    return "\n".join(line.rstrip() for line in text.splitlines())
+    return "\n".join(indent + line.rstrip() for line in text.splitlines())

@@ -44,3 +44,8 @@ def test_cells_are_printed_as_given():
 def test_align_names_the_fault():
     with pytest.raises(ValueError, match="align='lc'"):
         render(HEAD, ROWS, align="lc")
+
+
+def test_indent_starts_every_line_of_a_plain_table():
+    plain = render(HEAD, ROWS)
+    assert render(HEAD, ROWS, indent="  ").splitlines() == ["  " + line for line in plain.splitlines()]

@@ -142,9 +142,12 @@ def format_paced(rows: Sequence[Paced], speeds: Sequence[float], period: int) ->
         "own rate, as if it ran alone)"
     )
     table = render(
-        ["schedule", "steps per node", "window ms", "node-steps/s", "x ideal", "samples/window"], body, align="llr"
+        ["schedule", "steps per node", "window ms", "node-steps/s", "x ideal", "samples/window"],
+        body,
+        align="llr",
+        indent="  ",
     )
-    lines = [head, *("  " + line for line in table.splitlines())]
+    lines = [head, table]
     if any(r.pace == "adaptive" for r in rows):
         lines.append(
             "  adaptive pace is priced here, not run: this version's runtime runs fixed pace (every node waits at "

@@ -331,11 +331,12 @@ def _print_paced(args: argparse.Namespace, plan: Any) -> None:
         raise SystemExit(f"python -m hiersync plan: error: {err}") from None
     # the recommended period, or (where that is 1: the links hide DDP's communication) the largest
     # one priced, at its best bucket: a slow node makes windows pay where the links alone do not
-    k = (plan.recommended.period or 1) if (plan.recommended.period or 1) > 1 else max(args.periods)
+    rec = plan.recommended
+    k = rec.period if rec.period and rec.period > 1 else max(args.periods)
     rows = [ddp_paced(speeds, compute_s=plan.compute_s, exposed_s=plan.best_ddp.exposed_s)]
-    windows = [r for r in plan.rows if r.period == k and r.period > 1]
-    if windows:  # the row's exposed communication per step, k of them a window
-        best = plan.recommended if plan.recommended.period == k else min(windows, key=lambda r: r.step_s)
+    windows = [r for r in plan.rows if r.period == k]
+    if k > 1 and windows:  # the row's exposed communication per step, k of them a window
+        best = rec if rec.period == k else min(windows, key=lambda r: r.step_s)
         rows += [
             paced(speeds, compute_s=plan.compute_s, period=k, sync_s=k * best.exposed_s, pace=pace)
             for pace in ("fixed", "adaptive")

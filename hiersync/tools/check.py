@@ -124,7 +124,7 @@ def bw_rows(name: str, points: Sequence[tuple[int, float]], ranks: int, concurre
 
 
 def _table(head: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    return ["  " + line for line in render(head, body, align="llr").splitlines()]
+    return render(head, body, align="llr", indent="  ").splitlines()
 
 
 def format_report(rep: dict) -> str:

@@ -309,7 +309,7 @@ def report(summary: dict[str, Any]) -> str:
     lines.append("loss per node (node.incarnation):")
     curves = [dict(runs[n]["curve"]) for n in names]
     table = [[str(s), *(f"{d[s]:.4f}" if s in d else "" for d in curves)] for s in steps]
-    lines += [f"  {line}" for line in render(["step", *names], table, align="r").splitlines()]
+    lines.append(render(["step", *names], table, align="r", indent="  "))
     for ev in summary["events"]:
         lines.append(f"node {ev['killed']} killed after step {ev['at_step']}:")
         for node, g in ev["survivors"].items():
