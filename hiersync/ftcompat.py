@@ -11,6 +11,10 @@ the timeout of the rail's data: while torchft configures the quorum's process gr
 store's connection, gloo's full mesh) and heals a joiner (the source's first answer, each read
 of the state), the group's and the Manager's timeouts are the *contact* bound; the data
 collectives of the window pass the long timeout themselves (:func:`op_timeout`).
+
+:func:`abort_group` is how a node whose window failed lets its peers know at once: it drops
+the quorum's group (torchft's ``abort()``), which closes its connections, so a peer waiting
+on this node in the window's data fails on the closed connection instead of on that timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 __all__ = ["TESTED", "version", "process_group", "timeout", "quorum_timeout", "bounded", "op_timeout"]
 __all__ += ["forget_failed_quorum", "registered_states", "unregister_state", "async_quorum", "quorum_id"]
-__all__ += ["members", "check", "USED"]
+__all__ += ["members", "check", "USED", "abort_group"]
 
 TESTED = ("0.2.0", "nightly 2026.10.26")
 """The torchft releases the manager-mode tests run against (docs/fault-tolerance.md)."""
@@ -141,6 +145,20 @@ def op_timeout(manager: Any, opts: Any, limit: timedelta | None) -> Iterator[Non
         yield
     finally:
         pg.set_timeout(saved)
+
+
+def abort_group(manager: Any) -> None:
+    """Drop the quorum's group (torchft's public ``abort()``; the next quorum builds a new one).
+
+    On gloo the group's destruction closes its connections: a peer blocked in a collective
+    with this node fails at once ("connection closed by peer"). On torchft's NCCL group it
+    aborts the communicator (untested here: no GPU). torchft gives the next quorum a new id
+    after a failed commit (it reconfigures even when nobody left), so nothing trains on a
+    dropped group.
+    """
+    abort = getattr(process_group(manager), "abort", None)
+    if abort is not None:  # a test's fake group may have none
+        abort()
 
 
 def forget_failed_quorum(manager: Any) -> None:

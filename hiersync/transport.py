@@ -131,6 +131,8 @@ class Window:
     """What must be complete before the vote (the corrections of an overlapped sync)."""
     restore: list[Callable[[], None]] = field(default_factory=list)
     """What puts the state a dropped window changed back (the engine's backups)."""
+    dropping: threading.Thread | None = None
+    """Drops the group of a failed window (:class:`TorchftRail`): its peers learn at once."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -292,6 +294,8 @@ class TorchftRail:
         self.undecided: list[Window] = []
         self._count = 0
         self._members: list[int] | None = None
+        self._dropping: list[threading.Thread] = []
+        """Groups of failed windows being dropped: done before the next quorum builds a new one."""
 
     # ------------------------------------------------------------- collectives
     def nodes(self) -> int:
@@ -328,18 +332,20 @@ class TorchftRail:
         """
         window = self.window
         assert window is not None, "a rail collective outside a window"
+        if window.error is not None:  # a failed window issues nothing more (its group is being dropped)
+            return completed([out], out.device)
         try:
             with ftcompat.op_timeout(self.manager, opts, limit):
                 fut = issue(lambda *ts, async_op=True: op(opts, *ts), out, *inputs, what=what)
         except Exception as e:  # e.g. the group is gone: its reconfiguration failed in the quorum
-            window.fail(e, what)
+            self._fail(window, e, what)
             return completed([out], out.device)
 
         def result(f: torch.futures.Future) -> list[torch.Tensor]:
             try:
                 wait(f)
             except Exception as e:
-                window.fail(e, what)
+                self._fail(window, e, what)
             return [out]
 
         return then(fut, result, out.device, what)
@@ -370,10 +376,28 @@ class TorchftRail:
     def _pg(self) -> Any:
         return ftcompat.process_group(self.manager)
 
+    def _fail(self, window: Window, e: BaseException, what: str) -> None:
+        """Record the window's failure and drop its group at once, so that a peer waiting on this
+        node in the window fails on the closed connection, not on the data's timeout (and drops
+        the group in turn: a death reaches every member in milliseconds). Once per window; on a
+        thread of its own (this may run on the group's own worker thread, which its destruction
+        joins); the next quorum waits for it."""
+        window.fail(e, what)
+        with window._lock:
+            if window.dropping is not None:
+                return
+            window.dropping = threading.Thread(
+                target=ftcompat.abort_group, args=(self.manager,), name="hiersync-drop-group", daemon=True
+            )
+        window.dropping.start()
+        self._dropping.append(window.dropping)
+
     # ------------------------------------------------------------- windows
     def quorum(self, marker: Marker) -> None:
         """Decide every open window, then hold torchft's quorum for ``marker`` (may heal this node)."""
         self.settle()
+        while self._dropping:
+            self._dropping.pop().join()
         deadline = time.monotonic() + ftcompat.quorum_timeout(self.manager).total_seconds()
         while True:
             # In attempts of QUORUM_ATTEMPT_S: a request in flight when the Lighthouse dies is never
@@ -425,7 +449,7 @@ class TorchftRail:
         rows = torch.zeros(participants * 2, dtype=torch.float64, device=device)
         failed = manager.errored()
         if failed is not None:  # torchft's configuration of this quorum's group or a heal failed (within contact)
-            window.fail(getattr(failed, "original_exception", failed), "torchft's quorum")
+            self._fail(window, getattr(failed, "original_exception", failed), "torchft's quorum")
         wait(self.all_gather(rows, row, "the rail barrier after the quorum", limit=self.contact))
         window.contributes = contributes
         if window.error:  # a failed barrier leaves garbage; its window never commits, so its divisor is moot
@@ -437,7 +461,7 @@ class TorchftRail:
             verdict = stale_step(int(marker.step), [int(s) for f, s in zip(flags, steps) if f])
             if verdict is not None:
                 why, stale = verdict
-                window.fail(RuntimeError(why), "the rail barrier after the quorum")
+                self._fail(window, RuntimeError(why), "the rail barrier after the quorum")
                 window.stale = why if stale else None
         return window
 

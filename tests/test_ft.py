@@ -113,6 +113,35 @@ def test_node_killed_with_sync_in_flight(tmp_path):
         assert stats["failed_syncs"] == 1 and stats["sync_participants"] == 2
 
 
+@pytest.mark.parametrize("victim", [1, 3])
+def test_a_death_inside_a_window_reaches_every_survivor_at_once(tmp_path, victim):
+    """Four nodes; one dies inside a sync's data, after the barrier. The survivors whose connection
+    to it breaks fail at once; without more, a survivor waiting on one of them (a live peer that
+    left the collective) would wait the rail's timeout (120 s) while the Lighthouse held the others'
+    next quorum for it. Each survivor that fails drops the window's group, which closes its
+    connections: every survivor drops that sync on a closed connection, none on a timeout, and
+    they go on as 3-node local SGD."""
+    rail_s = 120.0
+    kill = {"node": victim, "step": 4, "how": "in_flight"}  # dies in the sync after step 5
+    cfg = _cfg(tmp_path, 4, steps=12, options={"period": 2, "heartbeat_timeout": 2.0}, kill=kill, timeout_s=rail_s)
+    survivors = [n for n in range(4) if n != victim]
+    with (
+        Lighthouse(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=60000) as lh,
+        Nodes(lh.address, procs_per_node=1) as nodes,
+    ):
+        for n in range(4):
+            nodes.start(n, ft_ranks.train, (cfg,))
+        out = nodes.wait(survivors, timeout=rail_s / 2)  # waiting out the rail's timeout would not finish
+    ref = ft_ranks.reference(cfg, 4, 1, lambda s: [0, 1, 2, 3] if s <= 5 else survivors, dropped={5})
+    for n in survivors:
+        got = _by_step(out[n][0])
+        for s in range(cfg["steps"]):
+            torch.testing.assert_close(got[s], ref[n][s], **TOL, msg=f"survivor {n} step {s}")
+        assert out[n][0]["stats"]["failed_syncs"] == 1, out[n][0]["stats"]
+        dropped = [w for w in out[n][0]["warnings"] if "after step 5 did not commit" in w]
+        assert len(dropped) == 1 and "Connection" in dropped[0] and "Timed out" not in dropped[0], dropped
+
+
 def test_frozen_node_is_dropped_after_the_timeout(tmp_path):
     """Node 2 freezes (SIGSTOP) inside a sync: the survivors wait for the rail's timeout, drop that
     sync and finish without it; their parameters follow 2-node local SGD."""

@@ -106,6 +106,9 @@ class ChaosConfig:
     timeout_s: float = 60.0
     """The Manager's and its process group's timeout (docs/cluster.md's): a rail collective's data,
     a commit, a recovery."""
+    quorum_timeout_s: float = 900.0
+    """The Manager's ``quorum_timeout`` (docs/cluster.md's 15 minutes): how long a node waits for a
+    quorum before it stops with an error."""
     faults: tuple[str, ...] = FAULTS
     seed: int = 0
     lighthouse_restart_at: float | None = None
@@ -123,6 +126,7 @@ def _worker_cfg(cfg: ChaosConfig, folder: str, steps: int, eval_syncs: bool = Fa
         "bwd_ms": cfg.bwd_ms,
         "frontend": cfg.frontend,
         "timeout_s": cfg.timeout_s,
+        "quorum_timeout_s": cfg.quorum_timeout_s,
         "options": {"period": cfg.period, "heartbeat_timeout": cfg.heartbeat_timeout_ms / 1000},
     }
 
@@ -456,6 +460,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-timeout-ms", type=int, default=d.join_timeout_ms, help=join)
     rail = "seconds: the timeout of the Manager and its process group (a rail collective's data, a commit, a recovery)"
     parser.add_argument("--rail-timeout", type=float, default=d.timeout_s, help=rail)
+    quorum = "seconds: the Manager's quorum_timeout (a node that waits longer for a quorum stops with an error)"
+    parser.add_argument("--quorum-timeout", type=float, default=d.quorum_timeout_s, help=quorum)
     parser.add_argument(
         "--seed", default="0", help="draws the faults' kinds and victims; several (1,2,3): one run with faults each"
     )
@@ -491,6 +497,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         join_timeout_ms=args.join_timeout_ms,
         timeout_s=args.rail_timeout,
+        quorum_timeout_s=args.quorum_timeout,
         faults=faults,
         seed=seeds[0],
         lighthouse_restart_at=args.lighthouse_restart_at,

@@ -320,7 +320,8 @@ def settings(cfg: ChaosConfig) -> str:
     """Every timeout the figures depend on, as the run set them (printed beside each figure)."""
     return (
         f"Lighthouse heartbeat timeout {cfg.heartbeat_timeout_ms} ms and join timeout {cfg.join_timeout_ms} ms; "
-        f"Manager and process-group timeout {cfg.timeout_s:g} s; hiersync heartbeat_timeout "
+        f"Manager and process-group timeout {cfg.timeout_s:g} s; Manager quorum_timeout {cfg.quorum_timeout_s:g} s; "
+        "hiersync heartbeat_timeout "
         f"{cfg.heartbeat_timeout_ms / 1000:g} s"
     )
 
