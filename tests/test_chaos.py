@@ -109,6 +109,16 @@ def test_a_restarted_node_healed_into_a_sync_is_one_of_its_peers():
     assert a["restart_to_contributing_sync_s"]["n"] == 1
 
 
+def test_a_stall_is_a_survivors_longest_step_until_the_next_fault_not_a_later_victims_downtime():
+    run = _run(3, 40, restart={1: 4, 2: 20})  # node 2 killed by the second fault is down, not stalled
+    a = _analyze(run)
+    assert [f["stall_s"] for f in a["stall_per_fault"]] == pytest.approx([0.0, 0.0], abs=1e-9)
+    # node 0 stands 2 s at the step after the first fault: the first fault's stall, not the second's
+    run.records[0] = [(t + 2.0 if s >= 6 else t, s, f) for t, s, f in run.records[0]]
+    a = _analyze(run)
+    assert [f["stall_s"] for f in a["stall_per_fault"]] == pytest.approx([2.0, 0.0], abs=1e-6)
+
+
 def _curve(s: int) -> float:
     """The reference's validation loss after ``s`` steps per node."""
     return 10.0 / s

@@ -198,7 +198,9 @@ def test_a_quorum_holding_a_dead_member_costs_the_heartbeat_not_the_rail_timeout
         stats = out[n][0]["stats"]
         assert stats["failed_syncs"] == 1 and stats["sync_participants"] == 2, stats
         dropped = [w for w in out[n][0]["warnings"] if f"after step {dropped_at} did not commit" in w]
-        assert len(dropped) == 1 and "3000ms" in dropped[0], dropped  # the contact bound, not 120 s
+        # the contact bound (3000ms), or a peer that hit it first and dropped the group; not 120 s
+        assert len(dropped) == 1 and ("3000ms" in dropped[0] or "Connection closed" in dropped[0]), dropped
+        assert "120000ms" not in dropped[0], dropped
 
 
 @pytest.mark.parametrize("frontend", ["ddp", "fsdp"])

@@ -98,7 +98,7 @@ class ChaosConfig:
     """Length of the run without faults (its step count is fixed from it)."""
     fault_every: float = 30.0
     restart_after: float = 3.0
-    heartbeat_timeout_ms: int = 5000
+    heartbeat_timeout_ms: int = 1000
     """The Lighthouse's ``--heartbeat_timeout_ms`` (docs/cluster.md's), also hiersync's
     ``heartbeat_timeout`` (the contact bound of a window)."""
     join_timeout_ms: int = 60000

@@ -19,6 +19,7 @@ lenient one; lost state shows above both).
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -221,16 +222,20 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
     )
     stalls = []
     per_fault: list[dict[str, Any]] = []
-    for fault in faulted.faults:
+    # A survivor's stall: its longest step from the fault until the next one (20 s at most), within
+    # one incarnation (a node killed by a later fault is down, not stalled).
+    ends = [f["t"] for f in faulted.faults[1:]] + [math.inf]
+    for fault, end in zip(faulted.faults, ends):
         t0, victims = fault["t"], set(fault["nodes"])
         worst = 0.0
         for n, recs in faulted.records.items():
             if n in victims:
                 continue
-            times = [t for t, _, f in recs if "event" not in f and t0 - 5 <= t <= t0 + 20]
-            gaps = [b - a for a, b in itertools.pairwise(times) if b > t0]
-            if gaps:
-                worst = max(worst, max(gaps) - typical)
+            for inc in _incarnations(recs):
+                times = [t for t, _, _ in _steps(inc) if t0 - 5 <= t <= min(t0 + 20, end)]
+                gaps = [b - a for a, b in itertools.pairwise(times) if b > t0]
+                if gaps:
+                    worst = max(worst, max(gaps) - typical)
         stalls.append(worst)
         per_fault.append({"t": t0 - faulted.started, "kind": fault["kind"], "stall_s": worst})
     restart_s = [f["first_contributing_sync_s"] for f in firsts if f["first_contributing_sync_s"] is not None]
