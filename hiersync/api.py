@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .config import HierConfig
 from .ddp import HierState, hook
-from .ddp_checks import check_optimizer_needed, unwrap_optimizer
+from .ddp_checks import check_optimizer_needed, check_paceable, unwrap_optimizer
 from .frontend import SyncState
 from .fsdp import FSDPState, is_fsdp2, node_mesh
 from .futures import HierSyncError
@@ -92,6 +92,8 @@ def register(
             f"hiersync averages over the whole world ({dist.get_world_size()} ranks) but this DDP model "
             f"syncs a process group of {ddp_group.size()} ranks; build DDP without process_group=..."
         )
+    if options.get("pace") == "adaptive":
+        check_paceable(model)
     if optimizer is None:  # refused here, before any group is built, rather than at the first step
         config = {k: v for k, v in options.items() if k not in ("process_group", "topology", "comm")}
         check_optimizer_needed(HierConfig(**config), "pass it: hiersync.register(model, optimizer, ...)")

@@ -289,7 +289,7 @@ class RailAverager(ChunkStore):
             future = self.transfer(work.copy_(x) if work is not None else x.clone())
         else:
             future = self.transfer(x)
-        return Launched(c.indices, future, snapshot=keep)
+        return Launched(c.indices, future, snapshot=keep, weighting=self.comm.weighting)
 
     def _launch_quantized(self, c: ChunkState, x: torch.Tensor, work: torch.Tensor | None) -> torch.futures.Future:
         """Send ``x - anchor`` (plus what earlier codes left out) as block codes, one piece per node.
@@ -301,7 +301,10 @@ class RailAverager(ChunkStore):
         N, divisor = self.comm.rail_nodes(), self.comm.rail_divisor()
         padded = codec.padded(c.s, N)
         feedback = codec.feedback
-        contributes = self.comm.contributes()  # False: healed in this window's quorum, it sends zeros
+        w = self.comm.weighting
+        # False: healed in this window's quorum, or no samples in it: it sends zeros
+        contributes = self.comm.contributes() and (w is None or w.own > 0)
+        weight = 1.0 if w is None or w.own * N == w.expected else w.own * N / w.expected
         if work is not None and padded == c.s:  # made in ``work``, overwritten below
             e = work if contributes else work.zero_()
         else:
@@ -309,9 +312,17 @@ class RailAverager(ChunkStore):
         if contributes:
             torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
         if feedback and contributes:  # a node that sends zeros leaves its residual as it is
-            packed, left = ErrorFeedback(codec, N).encode(e, self._maybe_here(c.residual, x.device))
+            residual = self._maybe_here(c.residual, x.device)
+            if weight != 1.0:  # weighted: the codes carry weight * (delta + residual), the residual stays unweighted
+                e.mul_(weight)
+                residual = residual * weight if residual is not None else None
+            packed, left = ErrorFeedback(codec, N).encode(e, residual)
+            if weight != 1.0:
+                left.div_(weight)
             c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self.stored)
         else:
+            if weight != 1.0 and contributes:
+                e.mul_(weight)
             packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
         n = padded // N  # values per piece
         nbytes = codec.packed_bytes(n)
@@ -322,6 +333,8 @@ class RailAverager(ChunkStore):
             for j in range(1, N):
                 mean.add_(codec.decode(received[j * nbytes : (j + 1) * nbytes], n))
             mean.div_(divisor)
+            if w is not None and (r := w.rescale()) != 1.0:  # weighted: the sum's weights to the samples' total
+                mean.mul_(r)
             if not feedback:
                 return codec.encode(mean)
             r = c.reduced_residual
@@ -342,7 +355,13 @@ class RailAverager(ChunkStore):
     def _complete(self, c: ChunkState, launched: Launched, out: torch.Tensor | None = None) -> torch.Tensor:
         """The target, in ``out`` (default: in the payload when it is fp32, else in a new vector)."""
         got = wait(launched.future)  # into ``out`` by a copy: an add of 16 bits to fp32 makes an fp32 temporary
+        w = launched.weighting
+        if w is not None and w.total() == 0:  # no node trained a sample: the sync changes nothing
+            mine = launched.snapshot if launched.snapshot is not None else self.shard_of(c)
+            return mine.clone() if out is None else out.copy_(mine)
         avg = got.float() if out is None else out.copy_(got) if out.data_ptr() != got.data_ptr() else out
+        if w is not None and self.blocks is None and (r := w.rescale()) != 1.0:  # the quantized average's reduce did it
+            avg.mul_(r)
         if self.raw_dtype is not None:
             return avg
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,15 @@ INTRA, INTER = Level.INTRA, Level.INTER
 __all__ = ["HierComm", "collective_bytes"]
 
 _FACTORS = dict(all_reduce=2.0, reduce_scatter=1.0, all_gather=1.0, all_to_all=1.0, reduce=1.0, broadcast=1.0)
+
+
+class RailWeights(Protocol):
+    """How a node's values enter a weighted rail sum (:class:`hiersync.tally.Weighting`)."""
+
+    own: float
+    expected: float
+
+    def scale_own(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 def collective_bytes(kind: str, group_size: int, nbytes: int) -> int:
@@ -91,6 +101,9 @@ class HierComm:
         self.world_size = self.topology.world_size
         self.level: str = INTER
         """The level its rail collectives are counted under in ``stats`` (``"rack"`` for a rack's)."""
+        self.weighting: RailWeights | None = None
+        """The weights of the rail averages being launched (:mod:`hiersync.tally`), set by the engine
+        around a sync's launch; None: the unweighted mean (exact steps, ``synchronize()``)."""
         self._seq_rail = Sequencer()
         self._seq_late = Sequencer()
         # rs_ag on NCCL; allreduce_bcast on gloo, whose RS/AG are slow (vocab.default_intra_algorithm).
@@ -293,7 +306,8 @@ class HierComm:
         what = "parameter " if replicated else ""
         ready = ready_now(tensor.device)
         if replicated and g.is_leader:
-            tensor.mul_(L / self.world_size)
+            w = self.weighting
+            tensor.mul_(L / self.world_size if w is None else w.own / w.expected)
         elif not replicated:
             tensor.div_(self.world_size)
             if L > 1:
@@ -385,7 +399,10 @@ class HierComm:
             return completed(shard, shard.device)
         if not self.groups.even:
             raise ValueError("average_shard needs nodes with equal numbers of ranks; use average_across_nodes")
-        shard.div_(self.rail_divisor())
+        if self.weighting is not None:
+            self.weighting.scale_own(shard)
+        else:
+            shard.div_(self.rail_divisor())
         phase = self._phase("inter parameter all-reduce on the rail")
         self._count(self.level, "all_reduce", N, shard.numel() * shard.element_size())
         try:

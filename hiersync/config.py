@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .levels import HierLevel, hierarchy
+from .pace import check_pace
 from .schedule import Schedule
 from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB
 
@@ -85,6 +86,10 @@ class HierConfig:
     sync with their parameters (needs an attached optimizer); ``()``: the optimizer state stays local."""
     profile: Any = None
     """Calibration profile (path or ``costmodel.Profile``) for ``algorithm="auto"``."""
+    pace: str = "fixed"
+    """``"fixed"``: every node takes ``period`` steps a window (and waits for the slowest at its
+    sync); ``"adaptive"``: the fastest node takes ``period``, every other node the whole steps that
+    fit in the same time (:mod:`hiersync.pace`), each node's average weighted by its samples."""
     rack_period: int | None = None
     """A third level between node and world (:mod:`hiersync.levels`): average parameters across
     the nodes of each rack every ``rack_period`` steps (2..period-1; racks from
@@ -98,6 +103,17 @@ class HierConfig:
         object.__setattr__(self, "schedule", schedule)
         levels = hierarchy(self.period, self.warmup_steps, self.fragments, self.rack_period)
         object.__setattr__(self, "levels", levels)
+        check_pace(self.pace)
+        if self.pace == "adaptive" and self.period < 2:
+            raise ValueError(
+                f"pace='adaptive' needs period >= 2 (at period={self.period} every step is exact: every node takes "
+                "every step together)"
+            )
+        if self.pace == "adaptive" and self.rack_period is not None:
+            raise ValueError(
+                f"pace='adaptive' with rack_period={self.rack_period}: the rack level counts steps, and under "
+                "adaptive pace a rack's nodes take different numbers of them; drop rack_period (or use pace='fixed')"
+            )
         if not isinstance(self.overlap, (bool, int)):
             raise TypeError(f"overlap must be a bool or an int number of steps, got {self.overlap!r}")
         if self.overlap and self.period < 2:

@@ -106,6 +106,20 @@ class HierState(SyncState):
         super().attach_optimizer(optimizer)
         self._unhook_skip()
 
+    def _before_paced_syncs(self) -> None:
+        """DDP rebuilds its buckets at a process's second forward, broadcasting their order over the
+        world: under adaptive pace a slow node may reach a sync before its second forward, and wait
+        there for the nodes that wait in the broadcast. So the rebuild runs here, after the first
+        backward on every rank (as torch's own ``Join`` hook calls it)."""
+        model = self._model
+        if model is None:
+            raise RuntimeError(
+                "hiersync: pace='adaptive' needs the DDP model: build the state with hiersync.register(ddp_model, "
+                "optimizer, pace='adaptive', ...) rather than register_comm_hook(HierState(...), hook)"
+            )
+        if model.reducer._rebuild_buckets():
+            model._has_rebuilt_buckets = True
+
     def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [], list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]
 

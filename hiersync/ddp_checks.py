@@ -124,3 +124,26 @@ def check_optimizer_owns(optimizer: torch.optim.Optimizer, params: Any) -> None:
             f"attach_optimizer: the optimizer does not own {len(missing)} of the model's parameters "
             f"(shapes {missing[:3]}...); build the optimizer from ddp_model.parameters()"
         )
+
+
+def check_paceable(model: Any) -> None:
+    """Under adaptive pace nodes run different numbers of forwards and backwards: refuse a DDP model
+    that issues a collective over the world in every one of them."""
+    will_sync = getattr(model, "will_sync_module_buffers", None)
+    if will_sync is not None:
+        syncs = bool(will_sync())
+    else:  # torch before forward_sync_buffers
+        syncs = bool(getattr(model, "broadcast_buffers", False)) and any(True for _ in model.module.buffers())
+    if syncs:
+        raise ValueError(
+            "pace='adaptive' with a DistributedDataParallel model that broadcasts its buffers: DDP broadcasts them "
+            "over the world before every forward, and under adaptive pace the nodes take different numbers of "
+            "forwards; build DDP with forward_sync_buffers=False (broadcast_buffers=False before torch 2.13; "
+            "state.synchronize(model) averages the buffers), or use pace='fixed'"
+        )
+    if getattr(model, "find_unused_parameters", False):
+        raise ValueError(
+            "pace='adaptive' with DistributedDataParallel(find_unused_parameters=True): DDP all-reduces its map of "
+            "used parameters over the world in every backward, and under adaptive pace the nodes take different "
+            "numbers of them; build DDP with find_unused_parameters=False, or use pace='fixed'"
+        )

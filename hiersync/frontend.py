@@ -32,8 +32,11 @@ from .guard import NonFiniteGuard
 from .levels import RACK, HierLevel, due
 from .localsgd import Registry, chunk_by_bytes
 from .optstate import with_optimizer_state
+from .pace import Windows
+from .schedule import Schedule
 from .stats import Stats
 from .sync import Averager, CrossNodeSync
+from .tally import Tally
 from .topology import ENV_RACK_IDS, ENV_RACK_KEY, Topology, check_layout, world_timeout
 from .transport import GroupRail, Window
 from .vocab import StepKind
@@ -105,7 +108,9 @@ class SyncState:
     ) -> None:
         self.config = cfg = HierConfig(period=period, warmup_steps=warmup_steps, **options)
         check_constructible(topology)
-        self.schedule = cfg.schedule
+        self.windows = Windows(cfg.schedule) if cfg.pace == "adaptive" else None
+        """This node's windows under adaptive pace (None: fixed pace, ``period`` steps each)."""
+        self.schedule: Schedule | Windows = self.windows if self.windows is not None else cfg.schedule
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self._world_group = dist.group.WORLD  # the groups below die with it
         self.backend = str(dist.get_backend())
@@ -122,6 +127,20 @@ class SyncState:
         self.topology, self.groups, self.stats = comm.topology, comm.groups, comm.stats
         self.registry = Registry()
         """The parameters hiersync averages, by position (checkpoints refer to these positions)."""
+        groups_ = self.groups
+        self.tally: Tally | None = None
+        """The samples and step times each sync agrees (None: one node, a test's mock, the manager mode)."""
+        if getattr(groups_, "tally", None) is not None and cfg.period > 1:
+            self.tally = Tally(
+                self.topology,
+                self.rank,
+                groups_.tally,
+                groups_.tally_intra,
+                self.stats,
+                period=cfg.period,
+                fragments=cfg.fragments,
+                windows=self.windows,
+            )
         self.engine: CrossNodeSync = None  # type: ignore[assignment]  # set by the front-end (_use)
         """The top level's engine (the world's)."""
         self.levels: list[LevelEngine] = []
@@ -138,6 +157,7 @@ class SyncState:
         self._model: torch.nn.Module | None = None
         self._loaded: dict[str, Any] | None = None  # checkpoint facts not yet checked (state_io)
         self._closed = False
+        self._paced_once = False  # adaptive pace: _before_paced_syncs ran in this process
         self._check_layout()
         _OPEN.add(self)
 
@@ -182,11 +202,13 @@ class SyncState:
         self.engine = CrossNodeSync(
             averager,
             self.registry,
-            cfg.schedule,
+            self.schedule,
             overlap=cfg.overlap,
             chunk_bytes=cfg.chunk_bytes,
             transport=self.comm.rail,
             model_positions=positions,
+            tally=self.tally,
+            weights_to=self.comm,
         )
         self.levels.append(LevelEngine(cfg.levels[-1], self.engine))
 
@@ -198,6 +220,32 @@ class SyncState:
     @property
     def warmup_steps(self) -> int:
         return self.schedule.warmup_steps
+
+    @property
+    def window(self) -> int:
+        """Windows this node has closed (its syncs of the whole model): equal on every node after the
+        same sync, whatever the pace. Under adaptive pace :attr:`step` differs across nodes and this
+        does not: stop, evaluate and checkpoint at a window (``if state.window == w``), not a step."""
+        if self.windows is not None:
+            return self.windows.window
+        return max(0, self.step - self.warmup_steps) // self.period if self.period > 1 else 0
+
+    def count_samples(self, n: float) -> None:
+        """Count ``n`` samples (or tokens) trained by this rank in the step under way.
+
+        Every cross-node average weighs a node by the samples its ranks trained since its last
+        sync (one unit per rank and step until a rank first counts; from then on what it counts).
+        Call it on every rank, once or more per step, before ``optimizer.step()``.
+        """
+        if self.tally is not None:
+            self.tally.count(n)
+        elif self.comm.rail.droppable:
+            raise ValueError(
+                "count_samples() is not available with manager= (torchft) in this version: its windows average "
+                "every contributing node alike; drop the call, or run without manager="
+            )
+        elif isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 <= n < float("inf"):
+            raise ValueError(f"count_samples(n) needs a finite number >= 0 (the step's samples or tokens), got {n!r}")
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Average across nodes right after ``optimizer.step()`` on sync steps.
@@ -260,6 +308,8 @@ class SyncState:
         """Average ``model`` across every rank, in ``window`` (written only if it commits)."""
         assert model is not None, "synchronize(model) needs the model"
         shards, replicated = self._model_tensors(model)
+        if self.tally is not None:  # each node weighed by its samples in the open window
+            self._weigh_open_window(shards, replicated)
         droppable = window is not None and self.comm.rail.droppable
         targets = [[t.detach().clone() for t in ts] if droppable else ts for ts in (shards, replicated)]
         with record_function("hiersync/synchronize"):
@@ -268,6 +318,22 @@ class SyncState:
         if window is not None and self.comm.rail.decide(window) and droppable:
             for t, new in zip(shards + replicated, targets[0] + targets[1]):
                 t.copy_(new)
+
+    def _weigh_open_window(self, shards: list[torch.Tensor], replicated: list[torch.Tensor]) -> None:
+        """Scale this node's tensors so that the plain means of :meth:`_average_model` weigh each node
+        by its samples in the open window (nothing when every node has as many, or none has any)."""
+        assert self.tally is not None
+        samples = self.tally.open_window()
+        own, total = samples[self.tally.node], sum(samples)
+        if total == 0 or all(
+            s * len(n) == samples[0] * len(self.topology.nodes[0]) for s, n in zip(samples, self.topology.nodes)
+        ):
+            return
+        N, L = self.topology.num_nodes, self.groups.node_size
+        for t in shards:  # averaged on the rail: a mean over nodes
+            t.mul_(N * own / total)
+        for t in replicated:  # averaged over the world: a mean over ranks
+            t.mul_(self.world_size * own / (L * total))
 
     def drain(self) -> None:
         """Wait for every cross-node sync in flight and apply it to the parameters. Collective."""
@@ -333,8 +399,15 @@ class SyncState:
         if kind != EXACT and self._capture_pending:
             self.engine.capture_anchor()  # before optimizer.step(): the values this step started from
             self._capture_pending = False  # every parameter has been seen on a non-exact step
+        if self.tally is not None:
+            self.tally.end_step(kind == EXACT)
+        if kind != EXACT and self.windows is not None and self._optimizer is None:
+            raise RuntimeError(
+                "hiersync: pace='adaptive' times each step by its optimizer.step(): attach the optimizer "
+                "(hiersync.register(model, optimizer, ...) or state.attach_optimizer(optimizer))"
+            )
         if kind != EXACT:  # without an optimizer, a sync step's average was launched in the hook
-            names = due(self.config.levels, step) if self._optimizer is not None else ()
+            names = self._due(step) if self._optimizer is not None else ()
             for lv in self.levels:
                 if lv.level.name in names:  # after optimizer.step(), or before the next forward if it is skipped
                     lv.engine.mark_due(step)
@@ -342,6 +415,25 @@ class SyncState:
                     lv.engine.idle()
         self.step += 1
         return step
+
+    def _before_paced_syncs(self) -> None:
+        """Adaptive pace, this process's first ``optimizer.step()`` (every rank has exactly one):
+        what the front-end must do on every rank before the nodes' steps part ways."""
+
+    def _due(self, step: int) -> tuple[str, ...]:
+        """The levels whose average runs after ``step`` (adaptive pace: the world's, at this node's windows)."""
+        if self.windows is not None:
+            return (self.config.levels[-1].name,) if self.windows.is_sync(step) else ()
+        return due(self.config.levels, step)
+
+    def resume_windows(self, step: int, saved_tally: dict[str, Any] | None) -> None:
+        """After a checkpoint's load at ``step``: windows from one saved without them start at the
+        fixed schedule's place (``period`` steps each until the tally has paced a window)."""
+        w = self.windows
+        if w is None or (saved_tally is not None and "windows" in saved_tally):
+            return
+        done = max(0, step - self.warmup_steps) // self.period
+        w.load({"start": self.warmup_steps + done * self.period, "length": self.period, "window": done})
 
     # ------------------------------------------------------------------ optimizer hooks
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -355,10 +447,18 @@ class SyncState:
         if not self._owner_checked:
             check_optimizer_owns(optimizer, self.registry.params)
             self._owner_checked = True
+        tally = self.tally
+        if tally is not None and not self.schedule.is_exact(self.step - 1):
+            tally.step_timed()
+        if self.windows is not None and not self._paced_once:
+            self._paced_once = True
+            self._before_paced_syncs()
         if len(self.levels) > 1:  # the top's corrections first: a lower level then averages them in
             self.engine.apply_corrections(self.step)
         for lv in self.levels:
             lv.engine.after_step(self.step)
+        if tally is not None:
+            tally.update_ended()
 
 
 def _check_racks(topology: Topology) -> None:

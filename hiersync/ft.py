@@ -415,6 +415,12 @@ def register_with_manager(
             "hiersync.register(model, optimizer, manager=...) needs the optimizer: a window's commit decides "
             "whether optimizer.step() applies on exact steps, and syncs run after it"
         )
+    if options.get("pace", "fixed") == "adaptive":
+        raise ValueError(
+            "pace='adaptive' with manager= is not available in this version: torchft's quorum opens every window "
+            "at the same step on every node, so a node cannot take fewer steps; use pace='fixed' with manager=, "
+            "or pace='adaptive' on a process group"
+        )
     if options.get("rack_period") is not None:
         raise ValueError(
             f"rack_period={options['rack_period']} does not combine with manager= in this version: torchft's replica "

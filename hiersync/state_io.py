@@ -52,6 +52,13 @@ def save(state: SyncState) -> dict[str, Any]:
     """
     for lv in state.levels:
         lv.engine.launch_due()
+    windows = state.windows
+    if windows is not None and state.engine.in_flight and state.step != windows.start:
+        raise RuntimeError(
+            f"hiersync: a checkpoint at step {state.step}, inside window {windows.window}, with syncs in flight under "
+            "pace='adaptive': the nodes stand at different steps of the window, and a node's syncs in flight end only "
+            "when every node launched them; save when a window opens (state.window just changed), or use overlap=0"
+        )
     engine = state.engine.state()
     lower = {lv.level.name: lv.engine.state() for lv in state.levels[:-1]}
     return {
@@ -126,7 +133,7 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
         _params_in_saved_order(loaded, state._model)
     # unchecked facts wait for the model (synchronize) or the first backward
     state._loaded = None if state.registry.params else loaded
-    state.engine.load(state_dict["averager"], state_dict["in_flight"])
+    state.engine.load(state_dict["averager"], state_dict["in_flight"], state_dict.get("tally"))
     if state_dict["hook"]:  # an older version's sync in DDP's hook: whole per parameter
         load_per_param(
             cast("ChunkStore", getattr(state.engine.averager, "base", state.engine.averager)), state_dict["hook"]
@@ -136,6 +143,7 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
         got = saved_levels.get(lv.level.name)
         lv.engine.load(got["averager"], got["in_flight"]) if got else lv.engine.load({}, [])
     state.step = step
+    state.resume_windows(step, saved_tally=state_dict.get("tally"))
     state._kind = None
     state._stepped_for = step
     saved = state_dict.get("stats") or {}

@@ -67,6 +67,8 @@ class Launched:
     future: torch.futures.Future
     snapshot: torch.Tensor | None = None
     """This rank's shard as sent (fp32, before compression), kept when a correction needs it."""
+    weighting: Any = None
+    """The sync's weights (:class:`hiersync.tally.Weighting`); None: the unweighted mean."""
 
 
 @dataclass
@@ -105,6 +107,8 @@ class AveragerComm(Protocol):
     groups: Any
     """This rank's groups: ``node_size`` (L) and ``local_rank`` are read."""
     rail: Transport
+    weighting: Any
+    """The weights of the averages being launched (:mod:`hiersync.tally`); None: the unweighted mean."""
 
     def rail_nodes(self) -> int:
         """Nodes that take part in a rail collective."""
@@ -232,6 +236,8 @@ class CrossNodeSync:
         chunk_bytes: int,
         transport: Transport,
         model_positions: Callable[[], Sequence[int] | None] | None = None,
+        tally: Any = None,
+        weights_to: Any = None,
     ) -> None:
         self.averager = averager
         self.registry = registry
@@ -240,6 +246,10 @@ class CrossNodeSync:
         self.overlap = int(overlap)
         self.chunk_bytes = chunk_bytes
         self.transport = transport
+        self.tally = tally
+        """The samples and step times agreed with each sync (:class:`hiersync.tally.Tally`), whose
+        weights the averages of ``weights_to`` (the averager's comm) take; None: unweighted means."""
+        self.weights_to = weights_to
         self.model_positions = model_positions
         """Each registry position's index in ``model.parameters()`` (None: unknown). The fragments
         are packed in the model's order, so both front-ends stream the same fragments."""
@@ -376,14 +386,22 @@ class CrossNodeSync:
         chunks = self.chunks(m.fragments)
         if rail.droppable:
             window.restore += [avg.backup(idx) for _, idx in chunks]
-        if m.overlapped:
+        weights = self.tally.open(m.step, m.fragments) if self.tally is not None else {}
+        try:
+            if m.overlapped:
+                for f, idx in chunks:
+                    self._weigh(weights.get(f))
+                    future = avg.launch_correction(idx)
+                    if rail.droppable:  # the vote waits for it: a failure on the rail is known by then
+                        window.futures.append(future)
+                    self.in_flight.append(Correction(idx, f, m.apply_at, future=future, window=window))
+                return
+            launched = []
             for f, idx in chunks:
-                future = avg.launch_correction(idx)
-                if rail.droppable:  # the vote waits for it: a failure on the rail is known by then
-                    window.futures.append(future)
-                self.in_flight.append(Correction(idx, f, m.apply_at, future=future, window=window))
-            return
-        launched = [avg.launch(idx) for _, idx in chunks]
+                self._weigh(weights.get(f))
+                launched.append(avg.launch(idx))
+        finally:
+            self._weigh(None)
         if not rail.droppable:  # chunk by chunk: one target at a time
             for job in launched:
                 avg.write(job.indices, avg.complete(job))
@@ -392,6 +410,11 @@ class CrossNodeSync:
         if rail.decide(window):
             for job, target in zip(launched, targets):
                 avg.write(job.indices, target)
+
+    def _weigh(self, weighting: Any) -> None:
+        """The weights the next launches take (None: the unweighted mean)."""
+        if self.weights_to is not None:
+            self.weights_to.weighting = weighting
 
     def capture_anchor(self) -> None:
         """Remember the current parameters as the anchor of every chunk (first post-warmup step)."""
@@ -478,11 +501,19 @@ class CrossNodeSync:
             saved.append(
                 {"indices": list(c.indices), "fragment": c.fragment, "apply_at": c.apply_at, "correction": correction}
             )
-        return {"averager": self.averager.state(), "in_flight": saved}
+        out = {"averager": self.averager.state(), "in_flight": saved}
+        if self.tally is not None:
+            out["tally"] = self.tally.state()
+        return out
 
-    def load(self, averager_state: dict[str, Any], in_flight: list[dict[str, Any]]) -> None:
+    def load(
+        self, averager_state: dict[str, Any], in_flight: list[dict[str, Any]], tally: dict[str, Any] | None = None
+    ) -> None:
+        """Restore :meth:`state`'s; ``tally``: the samples and pace decisions (None: start them afresh)."""
         self.due = None
         self.averager.load(averager_state)
+        if self.tally is not None and tally is not None:
+            self.tally.load(tally)
         self.in_flight = [
             Correction(
                 tuple(c["indices"]),

@@ -378,18 +378,21 @@ class Topology:
         kw = {} if timeout is None else {"timeout": timeout}
         logger.debug("hiersync: subgroups use timeout %s", timeout)
 
-        def make(ranks_list: Sequence[Sequence[int]], desc: str) -> dist.ProcessGroup | None:
+        def make(ranks_list: Sequence[Sequence[int]], desc: str, **more) -> dist.ProcessGroup | None:
             # group_desc names the group in NCCL's flight recorder and watchdog messages
             mine = None
             for i, ranks in enumerate(ranks_list):
                 name = desc.format(i=i)
                 try:
-                    g = dist.new_group(list(ranks), group_desc=name, **kw)
+                    g = dist.new_group(list(ranks), group_desc=name, **kw, **more)
                 except TypeError:  # torch without group_desc
-                    g = dist.new_group(list(ranks), **kw)
+                    g = dist.new_group(list(ranks), **kw, **more)
                 if rank in ranks:
                     mine = g
             return mine
+
+        def make_gloo(ranks_list: Sequence[Sequence[int]], desc: str) -> dist.ProcessGroup | None:
+            return make(ranks_list, desc, backend="gloo")
 
         # Two intra groups: the second carries collectives that are launched from future
         # callbacks (all-gathers after the rail leg); keeping them off the first group means
@@ -398,7 +401,28 @@ class Topology:
         intra_late = make(self.nodes, "hiersync/intra{i}_late")
         rail = make(self.rails, "hiersync/rail{i}")
         rack_rail = make(self.rack_rails, "hiersync/rack_rail{i}") if racks else None
-        return Groups(topology=self, rank=rank, intra=intra, intra_late=intra_late, rail=rail, rack_rail=rack_rail)
+        # The tally of each sync (samples, step times; hiersync.tally): a few values, on the host
+        # (gloo): over each rail, the node's sum taken on the node's group first; over the world
+        # where nodes differ in size (a rail then misses nodes).
+        tally = tally_intra = None
+        if self.num_nodes > 1:
+            if self.even:
+                tally = make_gloo(self.rails, "hiersync/tally_rail{i}")
+                tally_intra = (
+                    make_gloo(self.nodes, "hiersync/tally_intra{i}") if max(map(len, self.nodes)) > 1 else None
+                )
+            else:
+                tally = make_gloo([range(self.world_size)], "hiersync/tally")
+        return Groups(
+            topology=self,
+            rank=rank,
+            intra=intra,
+            intra_late=intra_late,
+            rail=rail,
+            rack_rail=rack_rail,
+            tally=tally,
+            tally_intra=tally_intra,
+        )
 
 
 @dataclass
@@ -415,6 +439,11 @@ class Groups:
     rail: dist.ProcessGroup | None
     rack_rail: dist.ProcessGroup | None = None
     """The rail inside this rank's rack (built only for a rack level)."""
+    tally: dist.ProcessGroup | None = None
+    """gloo: where each sync's tally is all-reduced (:mod:`hiersync.tally`): this rank's rail, or the
+    world where nodes differ in size; None on one node."""
+    tally_intra: dist.ProcessGroup | None = None
+    """gloo: the node's ranks, whose counts the tally sums first (even nodes of several ranks)."""
     node: tuple[int, ...] = field(init=False)
     """The global ranks of this rank's node."""
     local_rank: int = field(init=False)
@@ -443,11 +472,11 @@ class Groups:
         once the job's ``destroy_process_group()`` destroyed its world, these groups with it."""
         import torch.distributed as dist
 
-        mine = (self.intra, self.intra_late, self.rail, self.rack_rail)
+        mine = (self.intra, self.intra_late, self.rail, self.rack_rail, self.tally, self.tally_intra)
         if dist.is_initialized():
             for g in {id(g): g for g in mine if g is not None}.values():
                 dist.destroy_process_group(g)
-        self.intra = self.intra_late = self.rail = self.rack_rail = None
+        self.intra = self.intra_late = self.rail = self.rack_rail = self.tally = self.tally_intra = None
 
 
 def check_layout(topo: Topology, period: int, rank: int, detail: str = "") -> list[str]:

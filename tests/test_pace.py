@@ -32,14 +32,29 @@ def test_timer_noise_never_costs_a_step():
     st.lists(st.floats(min_value=1e-3, max_value=10.0), min_size=1, max_size=8),
     st.integers(min_value=1, max_value=64),
 )
-def test_every_node_fits_the_fastests_window_and_no_whole_step_more(times, period):
+def test_every_node_fills_the_window_and_the_window_pays(times, period):
+    """The fastest takes ``period``; no node could take one more step inside the window as it lasts
+    (its slowest node's steps); and the job trains at least as many samples a second as with the
+    window of ``period`` fastest steps, each node taking what fits in it."""
     steps = steps_per_window(times, period)
-    window = period * min(times) * (1 + TOLERANCE)
     assert steps[times.index(min(times))] == period
+    lasts = max(n * t for n, t in zip(steps, times))
     for n, t in zip(steps, times):
         assert 1 <= n <= period
-        assert n == 1 or n * t <= window * (1 + 1e-12)  # it fits (a single step always runs)
-        assert n == period or (n + 1) * t > window * (1 - 1e-12)  # one more would not
+        assert n == period or (n + 1) * t > lasts * (1 - 1e-12)  # one more would lengthen the window
+    base = period * min(times) * (1 + TOLERANCE)
+    plain = [min(period, max(1, math.floor(base / t))) for t in times]
+    plain_rate = sum(plain) / max(n * t for n, t in zip(plain, times))
+    assert sum(steps) / lasts >= plain_rate * (1 - 1e-12)
+
+
+def test_a_node_that_fits_most_of_a_step_more_takes_it_when_that_pays():
+    # 4.7 steps fit: 5, the window 4% longer, 3.4% more samples a second
+    assert steps_per_window([0.45, 0.77], period=8) == [8, 5]
+    # among many fast nodes the same slow node stays at 4: stretching would cost every other node
+    assert steps_per_window([0.45] * 15 + [0.77], period=8) == [8] * 15 + [4]
+    # 4.2 steps fit: 4 (a fifth would stretch the window by 20%)
+    assert steps_per_window([0.45, 0.86], period=8) == [8, 4]
 
 
 @pytest.mark.parametrize(

@@ -271,6 +271,7 @@ def test_sharded_state_dict_is_a_snapshot():
         groups=types.SimpleNamespace(node_size=2, local_rank=0),
         average_shard=lambda t: completed(t),
         rail=GroupRail(None, nodes=2),
+        weighting=None,
     )
     registry = Registry()
     params = [torch.nn.Parameter(torch.arange(6.0))]

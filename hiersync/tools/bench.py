@@ -377,6 +377,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="link profile for the cost-model-vs-bench table: a preset name or a calibrated P.json "
         "(default: the emulated preset on the default shaped 800mbit link; 'none' to skip)",
     )
+    p = parser.add_argument_group("slow nodes (--slow: the rows of bench_pace instead of the sweep)")
+    p.add_argument(
+        "--slow",
+        action="append",
+        default=None,
+        metavar="NODE=FACTOR",
+        help="a node whose accel compute runs at FACTOR of full speed (e.g. 1=0.5; repeat or comma-separate): "
+        "measure DDP, fixed and adaptive pace against the ideal (the sum of the nodes' own rates)",
+    )
+    p.add_argument("--pace-period", type=int, default=8, help="--slow: the period k (default 8)")
+    p.add_argument("--pace-fragments", type=int, default=8, help="--slow: streaming fragments (default 8, overlap 1)")
+    p.add_argument("--pace-windows", type=int, default=4, help="--slow: timed windows per row (default 4)")
     o = parser.add_argument_group("output")
     o.add_argument("--results", default="results/bench", help="folder for bench.json/.csv/.md and the plots")
     o.add_argument("--no-plots", action="store_true")
@@ -402,6 +414,14 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.slow:
+        from . import bench_pace
+
+        try:
+            return bench_pace.run(args)
+        except ValueError as e:
+            logger.error("bench: %s", e)
+            return 2
     try:
         config = make_config(args)
     except ImportError as e:

@@ -1,0 +1,264 @@
+"""The tally of a sync: the samples each node trained since it last synced a fragment, and its
+step time, agreed by every rank with the sync's own launch.
+
+Every cross-node average weights a node by its samples (``state.count_samples(n)`` per step,
+one unit per rank and step by default; a node weighs the sum over its ranks). At each sync,
+every rank writes its samples and its step time into its node's slots of a vector of ``2 N``
+fp32 values (``N`` nodes) and all-reduces it over the world, on a group of its own: launched
+with the sync, never queued behind the rail's data, and waited for only where the average is
+read (a blocking sync's target, an overlapped sync's correction, in its callback). Nothing
+waits for it at the launch, so an overlapped or streaming sync stays in flight.
+
+How a node's values are weighted without knowing the others' samples at the launch: the
+agreed *expected* total ``c`` (the default count every node knows alike) scales the own
+contribution by ``s_i / c`` (as the unweighted average's ``1 / N`` when ``s_i`` is the
+default), the rail sums, and the sum is scaled by ``c / S`` once the tally's total ``S`` is in
+(:class:`Weighting`; ``S == c``, every node at its default, changes nothing: the numbers are
+the unweighted average's, bit for bit). A node with no samples sends zeros; a sync whose
+nodes all have none changes nothing.
+
+Adaptive pace (:mod:`hiersync.pace`) reads the step times: the window that ends at a sync is
+followed by one whose length comes from the step times of the window before it (the tally
+launched one window earlier is long in by then: nobody waits for it), so the first two
+windows run ``period`` steps on every node.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import collective_bytes
+from .futures import issue, wait
+from .pace import Windows, steps_per_window
+from .stats import Stats
+from .topology import Topology
+
+__all__ = ["Agreed", "Tally", "Weighting", "TALLY"]
+
+TALLY = "tally"
+"""The level the tally's all-reduces are counted under in ``stats``."""
+
+
+class Agreed:
+    """The tally of one sync, read once (the first read waits for the all-reduce)."""
+
+    def __init__(self, future: torch.futures.Future | None, values: list[float] | None = None) -> None:
+        self._future, self._values = future, values
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            assert self._future is not None
+            self._values = wait(self._future)[0].tolist()
+            self._future = None
+        return self._values
+
+
+@dataclass
+class Weighting:
+    """The weights of one fragment's cross-node averages in one sync."""
+
+    own: float
+    """This node's samples since the fragment last synced (the sum over its ranks)."""
+    expected: float
+    """``c``: the total every node agreed on before the launch (the default count)."""
+    nodes: int
+    agreed: Agreed = field(repr=False)
+
+    def samples(self) -> list[float]:
+        """Every node's samples for this fragment (waits for the tally)."""
+        return self.agreed.values()[: self.nodes]
+
+    def total(self) -> float:
+        """``S``: the samples of every node."""
+        return float(sum(self.samples()))
+
+    def rescale(self) -> float:
+        """What the rail's sum is multiplied by: ``c / S`` (1 when every node had its default count;
+        0 when no node had samples: the sum is all zeros then, and the sync changes nothing)."""
+        total = self.total()
+        return 1.0 if total == self.expected else self.expected / total if total else 0.0
+
+    def scale_own(self, t: torch.Tensor) -> torch.Tensor:
+        """This node's contribution to a rail sum, in place: ``t * s_i / c`` (``t / N`` at the default)."""
+        if self.own * self.nodes == self.expected:
+            return t.div_(self.nodes)  # the unweighted average's own division: the same bits
+        return t.mul_(self.own / self.expected)
+
+
+class Tally:
+    """One rank's samples and step times, and the all-reduce that agrees them at each sync.
+
+    ``windows``: this node's windows under adaptive pace (closed here when a window's last
+    fragment syncs); None under fixed pace (the tally then only weighs the averages).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        intra: dist.ProcessGroup | None,
+        stats: Stats,
+        *,
+        period: int,
+        fragments: int,
+        windows: Windows | None = None,
+    ) -> None:
+        self.topology, self.rank, self.group, self.intra, self.stats = topology, rank, group, intra, stats
+        self.group_is_rail = topology.even
+        """Even nodes: ``group`` is this rank's rail (one rank a node: the node's sums go in);
+        else the world's (every rank adds its own)."""
+        self.node = topology.node_of(rank)
+        self.node_size = len(topology.node_ranks(rank))
+        self.period, self.fragments, self.windows = period, fragments, windows
+        self.counting = False
+        """Whether this rank ever counted (then its steps add no unit of their own)."""
+        self.since = [0.0] * fragments
+        """This rank's samples since each fragment's last sync."""
+        self.steps_since = [0] * fragments
+        """This rank's steps since each fragment's last sync."""
+        self.step_times: list[float] = []
+        """This rank's step times (seconds) since the last sync."""
+        self._last: float | None = None  # when the last step's update ended
+        self._previous: tuple[Agreed, int] | None = None  # the last window end's tally and its row of step times
+        self.lengths = [period] * topology.num_nodes
+        """Every node's steps in the open window (adaptive pace)."""
+
+    # ------------------------------------------------------------- counting
+    def count(self, n: float) -> None:
+        """Add ``n`` samples to this rank's count (from then on, steps add none by themselves)."""
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 <= n < float("inf"):
+            raise ValueError(f"count_samples(n) needs a finite number >= 0 (the step's samples or tokens), got {n!r}")
+        self.counting = True
+        for f in range(self.fragments):
+            self.since[f] += float(n)
+
+    def end_step(self, exact: bool) -> None:
+        """A step's backward ended: one more step (and one unit, without counts) since each fragment's sync.
+        An exact step averages everything: what was counted before it is forgotten."""
+        if exact:
+            self.since, self.steps_since = [0.0] * self.fragments, [0] * self.fragments
+            return
+        for f in range(self.fragments):
+            self.steps_since[f] += 1
+            if not self.counting:
+                self.since[f] += 1.0
+
+    def step_timed(self) -> None:
+        """A step's update begins: its time is since the last update ended (a sync's wait is not a step's)."""
+        if self._last is not None:
+            self.step_times.append(time.perf_counter() - self._last)
+
+    def update_ended(self) -> None:
+        """The update and the syncs after it are done: the next step's time starts now."""
+        self._last = time.perf_counter()
+
+    # ------------------------------------------------------------- the sync
+    def open(self, step: int, fragments: Sequence[int]) -> dict[int, Weighting]:
+        """Launch the tally of a sync of ``fragments`` after ``step``; the weighting of each fragment.
+
+        One all-reduce per fragment (every node syncs every fragment once a window, in fragment
+        order, though a slow node syncs several after one step). Closes the window (adaptive
+        pace) when its last fragment is among them.
+        """
+        topo, N = self.topology, self.topology.num_nodes
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        out = {}
+        for f in fragments:
+            mine = torch.tensor([self.since[f], step_s], dtype=torch.float64)
+            if self.group_is_rail:  # the node's sums first (blocking: two values over the node's ranks)
+                if self.intra is not None:
+                    wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
+                else:
+                    mine[0] *= self.node_size
+                mine[1] /= self.node_size
+            else:  # over the world: every rank adds its own
+                mine[1] /= self.node_size
+            vec = torch.zeros(2 * N, dtype=torch.float64)
+            vec[self.node :: N] = mine
+            agreed = Agreed(self._all_reduce(vec))
+            if self.windows is None:  # fixed pace: every node took this rank's steps
+                expected = float(self.steps_since[f] * topo.world_size)
+            else:
+                expected = float(self.period * topo.world_size)
+            w = out[f] = Weighting(float(mine[0]), expected, N, agreed)
+            if not self.group_is_rail:  # the node's sum is the world's tally's (waits: nodes of different sizes)
+                w.own = w.samples()[self.node]
+            self.since[f], self.steps_since[f] = 0.0, 0
+            if self.windows is not None and self.windows.closes((f,)):
+                self._close(step, agreed, 1)
+        self.step_times = []
+        return out
+
+    def open_window(self) -> list[float]:
+        """Every node's samples in the open window (since its last fragment's sync), agreed now:
+        blocking and collective (``synchronize()``); nothing is reset."""
+        f = self.fragments - 1
+        since, steps = self.since[f], self.steps_since[f]
+        w = self.open(-1, [f]) if self.windows is None else None
+        if w is None:  # adaptive pace: the same tally, without closing the window
+            windows, self.windows = self.windows, None
+            try:
+                w = self.open(-1, [f])
+            finally:
+                self.windows = windows
+        self.since[f], self.steps_since[f] = since, steps
+        return w[f].samples()
+
+    def _close(self, step: int, agreed: Agreed, row: int) -> None:
+        """The window ends after ``step``: the next one's length from the window before it."""
+        assert self.windows is not None
+        N = self.topology.num_nodes
+        previous, self._previous = self._previous, (agreed, row)
+        if previous is not None:
+            step_s = previous[0].values()[previous[1] * N : (previous[1] + 1) * N]
+            if all(s > 0 for s in step_s):
+                self.lengths = steps_per_window(step_s, self.period)
+        self.windows.close(step, self.lengths[self.node], min(self.lengths))
+
+    def _all_reduce(self, vec: torch.Tensor) -> torch.futures.Future:
+        if self.group is None:  # a world of one rank
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result([vec])
+            return fut
+        with self.stats.lock:
+            self.stats.collectives[TALLY] = self.stats.collectives.get(TALLY, 0) + 1
+            size = self.group.size()
+            self.stats.bytes_sent[TALLY] = self.stats.bytes_sent.get(TALLY, 0) + collective_bytes(
+                "all_reduce", size, vec.numel() * vec.element_size()
+            )
+        return issue(dist.all_reduce, vec, group=self.group, what="the tally of samples and step times")
+
+    # ------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        previous = None
+        if self._previous is not None:
+            N = self.topology.num_nodes
+            agreed, row = self._previous
+            previous = agreed.values()[row * N : (row + 1) * N]
+        out: dict[str, Any] = {
+            "since": list(self.since),
+            "steps_since": list(self.steps_since),
+            "lengths": list(self.lengths),
+            "previous_step_s": previous,
+        }
+        if self.windows is not None:
+            out["windows"] = self.windows.state()
+        return out
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.since = [float(v) for v in state["since"]]
+        self.steps_since = [int(v) for v in state["steps_since"]]
+        self.lengths = [int(v) for v in state["lengths"]]
+        prev = state.get("previous_step_s")
+        self._previous = None if prev is None else (Agreed(None, [float(v) for v in prev]), 0)
+        if self.windows is not None and "windows" in state:
+            self.windows.load(state["windows"])
+        self.step_times, self._last = [], None

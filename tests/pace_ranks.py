@@ -1,0 +1,142 @@
+"""Rank functions of the pace tests (tests/test_pace_runtime.py): nodes of different speeds under
+adaptive pace, counted samples, and the reference they are checked against (one process, no
+collectives: each node's local SGD by hand, then the average weighted by its samples)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hiersync
+
+LR = 0.05
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def counted(rank: int, step: int) -> float:
+    """The samples a rank counts at a step when the test counts (uneven on purpose)."""
+    return float(1 + (rank * 7 + step * 3) % 5)
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def run(cfg: dict) -> dict:
+    """Train under ``cfg`` until ``cfg['windows']`` windows closed; each node sleeps ``step_s[node]``
+    a step (its speed). Returns this rank's window lengths, final parameters and the tally's counters."""
+    rank = dist.get_rank()
+    topo = hiersync.Topology.detect()
+    node = topo.node_of(rank)
+    model = DDP(net())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    options = {k: v for k, v in cfg["options"].items()}
+    state = hiersync.register(model, opt, **options)
+    starts, step, counts = [0], 0, []
+    while state.window < cfg["windows"]:
+        time.sleep(cfg["step_s"][node])
+        x, y = batch(rank, step)
+        if cfg.get("count"):
+            n = counted(rank, step)
+            state.count_samples(n)
+            counts.append(n)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if state.window == len(starts):
+            starts.append(step)
+    if cfg.get("synchronize"):
+        state.synchronize(model)
+    out = {
+        "node": node,
+        "lengths": [b - a for a, b in zip(starts, starts[1:])],
+        "params": flat(model).tolist(),
+        "tally": state.stats.collectives.get("tally", 0),
+        "pid": os.getpid(),
+    }
+    state.close()
+    return out
+
+
+def reference(
+    node_ids: list[int], lengths: dict[int, list[int]], count: bool = False, weighted: bool = True
+) -> torch.Tensor:
+    """The parameters after the windows ``lengths`` (steps of each node, per window), by hand: each
+    node's ranks average their gradients every step; at each window's end the nodes' parameters are
+    averaged, weighted by the samples of their ranks in the window (one a step, or ``counted``);
+    ``weighted=False``: the plain mean of the nodes (what a test must tell apart from it)."""
+    nodes = sorted(set(node_ids))
+    ranks = {n: [r for r, m in enumerate(node_ids) if m == n] for n in nodes}
+    model = net()
+    p = [t.detach().clone() for t in model.parameters()]
+    done = dict.fromkeys(nodes, 0)
+    for w in range(len(lengths[nodes[0]])):
+        outs, weights = [], []
+        for n in nodes:
+            q = [t.clone().requires_grad_(True) for t in p]
+            samples = 0.0
+            for s in range(done[n], done[n] + lengths[n][w]):
+                grads = None
+                for r in ranks[n]:
+                    x, y = batch(r, s)
+                    h = torch.tanh(x @ q[0].T + q[1]) @ q[2].T + q[3]
+                    g = torch.autograd.grad(torch.nn.functional.mse_loss(h, y), q)
+                    grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+                    samples += counted(r, s) if count else 1.0
+                with torch.no_grad():
+                    for t, g in zip(q, grads):
+                        t -= LR * g / len(ranks[n])
+            done[n] += lengths[n][w]
+            outs.append([t.detach() for t in q])
+            weights.append(samples if weighted else 1.0)
+        total = sum(weights)
+        p = [sum(wt * o[i] for wt, o in zip(weights, outs)) / total for i in range(len(p))]
+    return torch.cat([t.reshape(-1) for t in p])
+
+
+def resumed(cfg: dict, phase: str, folder: str) -> dict:
+    """``phase="save"``: train until window ``cfg['save_at']`` opens (``cfg['mid']``: and one step
+    into it) and save every rank's
+    model, optimizer and hiersync state; ``"load"``: a fresh job loads them and trains on until
+    ``cfg['windows']`` windows closed (the same as :func:`run` without the restart)."""
+    rank = dist.get_rank()
+    node = hiersync.Topology.detect().node_of(rank)
+    model = DDP(net())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = hiersync.register(model, opt, **cfg["options"])
+    path = os.path.join(folder, f"rank{rank}.pt")
+    step = 0
+    if phase == "load":
+        saved = torch.load(path, weights_only=False)
+        model.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["hiersync"])
+        step = saved["step"]
+    target = cfg["save_at"] if phase == "save" else cfg["windows"]
+    while state.window < target or (phase == "save" and cfg.get("mid") and step == state.windows.start):
+        time.sleep(cfg["step_s"][node])
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+    if phase == "save":
+        saved = {"model": model.module.state_dict(), "opt": opt.state_dict(), "hiersync": state.state_dict()}
+        torch.save({**saved, "step": step}, path)
+    out = {"node": node, "step": step, "window": state.window, "params": flat(model).tolist()}
+    state.close()
+    return out

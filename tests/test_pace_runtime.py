@@ -1,0 +1,113 @@
+"""Adaptive pace and sample-weighted averages at run time, against a reference written here
+(tests/pace_ranks.py: each node's local SGD by hand, the average weighted by its samples).
+
+Each node's speed is a sleep per step (node 0 fast, node 1 four times slower), far above the
+2-core box's noise, so the pace decisions are the same on every run: the fastest takes
+``period``, the slow node ``floor(8 * 0.02 / 0.08 * 1.05) = 2``, from the third window on
+(the first two run ``period`` on every node: the third is paced by the first's step times).
+"""
+
+from __future__ import annotations
+
+import pace_ranks
+import pytest
+import torch
+from harness import TOPOLOGIES, launch
+
+from hiersync.config import HierConfig
+
+FAST, SLOW = 0.02, 0.08
+
+
+def _check(res, node_ids, count=False, atol=1e-6):
+    by_node = {}
+    for r in res:
+        by_node.setdefault(r["node"], r["lengths"])
+        assert r["lengths"] == by_node[r["node"]], "the ranks of a node took different steps"
+    first = torch.tensor(res[0]["params"])
+    for r in res[1:]:
+        torch.testing.assert_close(torch.tensor(r["params"]), first, rtol=0, atol=0)  # equal after each sync
+    ref = pace_ranks.reference(node_ids, by_node, count=count)
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=atol)
+    plain = pace_ranks.reference(node_ids, by_node, count=count, weighted=False)
+    assert (plain - ref).abs().max() > 10 * atol, "the weights do not change the reference: the test cannot tell"
+    return by_node
+
+
+@pytest.mark.parametrize("name", ["2x1", "2x2", "uneven"])
+def test_a_slow_node_takes_the_steps_that_fit_and_the_average_weighs_its_samples(name):
+    node_ids = TOPOLOGIES[name] if name != "uneven" else [0, 0, 1]
+    cfg = {"options": {"period": 8, "pace": "adaptive"}, "windows": 4, "step_s": [FAST, SLOW]}
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    lengths = _check(res, node_ids)
+    assert lengths == {0: [8, 8, 8, 8], 1: [8, 8, 2, 2]}
+    assert all(r["tally"] == 4 for r in res)  # one tally a sync
+
+
+@pytest.mark.parametrize("pace", ["fixed", "adaptive"])
+def test_counted_samples_weigh_each_nodes_average(pace):
+    node_ids = TOPOLOGIES["2x2"]
+    cfg = {"options": {"period": 4, "pace": pace}, "windows": 4, "step_s": [FAST, SLOW], "count": True}
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    lengths = _check(res, node_ids, count=True)
+    assert lengths[1] == ([4] * 4 if pace == "fixed" else [4, 4, 1, 1])
+
+
+def test_the_quantized_average_weighs_the_samples_too():
+    """int8 deltas with error feedback: within the codes' error of the weighted reference, and
+    much closer to it than to the unweighted average of the same nodes."""
+    node_ids = TOPOLOGIES["2x2"]
+    cfg = {"options": {"period": 8, "pace": "adaptive", "compress": "int8"}, "windows": 4, "step_s": [FAST, SLOW]}
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    _check(res, node_ids, atol=2e-3)
+
+
+def test_streaming_overlapped_under_adaptive_pace_stays_consistent():
+    """Fragments at offsets of each node's own window, applied a step later (the slow node's two
+    steps a window sync two fragments each); after ``synchronize()`` every rank holds the same
+    parameters."""
+    node_ids = TOPOLOGIES["2x2"]
+    cfg = {
+        "options": {"period": 8, "pace": "adaptive", "fragments": 4, "overlap": 1},
+        "windows": 4,
+        "step_s": [FAST, SLOW],
+        "synchronize": True,
+    }
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    lengths = {r["node"]: r["lengths"] for r in res}
+    assert lengths == {0: [8, 8, 8, 8], 1: [8, 8, 2, 2]}
+    first = torch.tensor(res[0]["params"])
+    for r in res[1:]:
+        torch.testing.assert_close(torch.tensor(r["params"]), first, rtol=0, atol=0)
+    assert all(r["tally"] == 16 + 1 for r in res)  # one a fragment's sync, and synchronize()'s
+
+
+@pytest.mark.parametrize("mode", ["blocking", "streaming"])
+def test_a_checkpoint_taken_inside_a_window_resumes_bit_for_bit(mode, tmp_path):
+    """Blocking: saved one step into the third window (each node at its own step, the pace decided
+    and the samples counted so far in the checkpoint); streaming: as the third window opens, its
+    syncs in flight (a node's fragments in flight need every node's launch of them: mid-window a
+    save is refused). Loaded by a fresh job: the same parameters as the run without the restart,
+    bit for bit."""
+    node_ids = TOPOLOGIES["2x2"]
+    options = {"period": 8, "pace": "adaptive"}
+    if mode == "streaming":
+        options.update(fragments=4, overlap=1)
+    mid = mode == "blocking"
+    cfg = {"options": options, "windows": 4, "save_at": 2, "step_s": [FAST, SLOW], "mid": mid}
+    whole = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    saved = launch(pace_ranks.resumed, node_ids, cfg, "save", str(tmp_path), timeout=120)
+    assert sorted({(r["node"], r["step"]) for r in saved}) == [(0, 16 + mid), (1, 16 + mid)]
+    again = launch(pace_ranks.resumed, node_ids, cfg, "load", str(tmp_path), timeout=120)
+    assert {r["node"]: r["step"] for r in again} == {0: 32, 1: 20}
+    for a, b in zip(whole, again):
+        torch.testing.assert_close(torch.tensor(b["params"]), torch.tensor(a["params"]), rtol=0, atol=0)
+
+
+def test_adaptive_pace_refuses_what_it_cannot_pace():
+    with pytest.raises(ValueError, match="rack_period"):
+        HierConfig(period=8, rack_period=2, pace="adaptive")
+    with pytest.raises(ValueError, match="period >= 2"):
+        HierConfig(period=1, pace="adaptive")
+    with pytest.raises(ValueError, match="pace must be one of"):
+        HierConfig(period=4, pace="fast")
