@@ -127,15 +127,14 @@ class SyncState:
         self.topology, self.groups, self.stats = comm.topology, comm.groups, comm.stats
         self.registry = Registry()
         """The parameters hiersync averages, by position (checkpoints refer to these positions)."""
-        groups_ = self.groups
         self.tally: Tally | None = None
         """The samples and step times each sync agrees (None: one node, a test's mock, the manager mode)."""
-        if getattr(groups_, "tally", None) is not None and cfg.period > 1:
+        if getattr(self.groups, "tally", None) is not None and cfg.period > 1:
             self.tally = Tally(
                 self.topology,
                 self.rank,
-                groups_.tally,
-                groups_.tally_intra,
+                self.groups.tally,
+                self.groups.tally_intra,
                 self.stats,
                 period=cfg.period,
                 fragments=cfg.fragments,

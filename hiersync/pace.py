@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .schedule import Schedule
+from .vocab import StepKind
 
 __all__ = ["PACES", "TOLERANCE", "Windows", "check_pace", "check_positive", "steps_per_window"]
 
@@ -142,8 +143,10 @@ class Windows:
     def is_sync(self, step: int) -> bool:
         return bool(self.fragments_due(step))
 
-    def kind(self, step: int) -> str:
-        return self.schedule.kind(step) if self.is_exact(step) else ("sync" if self.is_sync(step) else "local")
+    def kind(self, step: int) -> StepKind:
+        if self.is_exact(step):
+            return StepKind.EXACT
+        return StepKind.SYNC if self.is_sync(step) else StepKind.LOCAL
 
     def closes(self, fragments: Sequence[int]) -> bool:
         """Whether a sync of ``fragments`` ends the window (its last fragment is among them)."""

@@ -47,6 +47,7 @@ from torch.profiler import record_function
 
 from .futures import wait
 from .localsgd import Registry, chunk_by_bytes
+from .pace import Windows
 from .schedule import Schedule, fragment_layout
 from .topology import Topology
 from .transport import Marker, Transport, Window
@@ -230,7 +231,7 @@ class CrossNodeSync:
         self,
         averager: Averager,
         registry: Registry,
-        schedule: Schedule,
+        schedule: Schedule | Windows,
         *,
         overlap: int,
         chunk_bytes: int,

@@ -127,7 +127,7 @@ class Tally:
         self.step_times: list[float] = []
         """This rank's step times (seconds) since the last sync."""
         self._last: float | None = None  # when the last step's update ended
-        self._previous: tuple[Agreed, int] | None = None  # the last window end's tally and its row of step times
+        self._previous: Agreed | None = None  # the tally at the last window's end (its step times pace the next)
         self.lengths = [period] * topology.num_nodes
         """Every node's steps in the open window (adaptive pace)."""
 
@@ -161,12 +161,13 @@ class Tally:
         self._last = time.perf_counter()
 
     # ------------------------------------------------------------- the sync
-    def open(self, step: int, fragments: Sequence[int]) -> dict[int, Weighting]:
+    def open(self, step: int, fragments: Sequence[int], close: bool = True) -> dict[int, Weighting]:
         """Launch the tally of a sync of ``fragments`` after ``step``; the weighting of each fragment.
 
         One all-reduce per fragment (every node syncs every fragment once a window, in fragment
-        order, though a slow node syncs several after one step). Closes the window (adaptive
-        pace) when its last fragment is among them.
+        order, though a slow node syncs several after one step). With ``close``: the counts since
+        each fragment's sync start again, and the window closes (adaptive pace) when its last
+        fragment is among them.
         """
         topo, N = self.topology, self.topology.num_nodes
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
@@ -191,34 +192,32 @@ class Tally:
             w = out[f] = Weighting(float(mine[0]), expected, N, agreed)
             if not self.group_is_rail:  # the node's sum is the world's tally's (waits: nodes of different sizes)
                 w.own = w.samples()[self.node]
+            if not close:
+                continue
             self.since[f], self.steps_since[f] = 0.0, 0
             if self.windows is not None and self.windows.closes((f,)):
-                self._close(step, agreed, 1)
-        self.step_times = []
+                self._close(step, agreed)
+        if close:
+            self.step_times = []
         return out
 
     def open_window(self) -> list[float]:
         """Every node's samples in the open window (since its last fragment's sync), agreed now:
         blocking and collective (``synchronize()``); nothing is reset."""
         f = self.fragments - 1
-        since, steps = self.since[f], self.steps_since[f]
-        w = self.open(-1, [f]) if self.windows is None else None
-        if w is None:  # adaptive pace: the same tally, without closing the window
-            windows, self.windows = self.windows, None
-            try:
-                w = self.open(-1, [f])
-            finally:
-                self.windows = windows
-        self.since[f], self.steps_since[f] = since, steps
-        return w[f].samples()
+        return self.open(-1, [f], close=False)[f].samples()
 
-    def _close(self, step: int, agreed: Agreed, row: int) -> None:
+    def _step_times(self, agreed: Agreed) -> list[float]:
+        """Every node's step time in a tally (its second row)."""
+        N = self.topology.num_nodes
+        return agreed.values()[N : 2 * N]
+
+    def _close(self, step: int, agreed: Agreed) -> None:
         """The window ends after ``step``: the next one's length from the window before it."""
         assert self.windows is not None
-        N = self.topology.num_nodes
-        previous, self._previous = self._previous, (agreed, row)
+        previous, self._previous = self._previous, agreed
         if previous is not None:
-            step_s = previous[0].values()[previous[1] * N : (previous[1] + 1) * N]
+            step_s = self._step_times(previous)
             if all(s > 0 for s in step_s):
                 self.lengths = steps_per_window(step_s, self.period)
         self.windows.close(step, self.lengths[self.node], min(self.lengths))
@@ -238,11 +237,7 @@ class Tally:
 
     # ------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
-        previous = None
-        if self._previous is not None:
-            N = self.topology.num_nodes
-            agreed, row = self._previous
-            previous = agreed.values()[row * N : (row + 1) * N]
+        previous = self._step_times(self._previous) if self._previous is not None else None
         out: dict[str, Any] = {
             "since": list(self.since),
             "steps_since": list(self.steps_since),
@@ -258,7 +253,8 @@ class Tally:
         self.steps_since = [int(v) for v in state["steps_since"]]
         self.lengths = [int(v) for v in state["lengths"]]
         prev = state.get("previous_step_s")
-        self._previous = None if prev is None else (Agreed(None, [float(v) for v in prev]), 0)
+        N = self.topology.num_nodes
+        self._previous = None if prev is None else Agreed(None, [0.0] * N + [float(v) for v in prev])
         if self.windows is not None and "windows" in state:
             self.windows.load(state["windows"])
         self.step_times, self._last = [], None
