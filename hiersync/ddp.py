@@ -117,8 +117,9 @@ class HierState(SyncState):
                 "hiersync: pace='adaptive' needs the DDP model: build the state with hiersync.register(ddp_model, "
                 "optimizer, pace='adaptive', ...) rather than register_comm_hook(HierState(...), hook)"
             )
-        if model.reducer._rebuild_buckets():
-            model._has_rebuilt_buckets = True
+        reducer: Any = model.reducer
+        if reducer._rebuild_buckets():
+            model._has_rebuilt_buckets = True  # type: ignore[assignment]
 
     def _model_tensors(self, model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [], list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]

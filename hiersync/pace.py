@@ -98,10 +98,10 @@ class Windows:
     ``ceil(ceil((f + 1) * grid / F) * length / grid) - 1`` (every node at one speed: the schedule's
     ``ceil((f + 1) * period / F) - 1``). So every node reaches a fragment's sync at about the
     same time, and a fast node does not wait for a slow one's step at each fragment; with fewer
-    steps than fragments several sync on one step, in fragment order. :meth:`close` ends the window whose last fragment synced and starts the
-    next at the length decided for it. Answers what a ``Schedule`` answers (``kind``,
-    ``fragments_due``, ``is_sync``, ``is_exact``), so the front-end and the engine read it in its
-    place; warmup steps are exact on every node, as there.
+    steps than fragments several sync on one step, in fragment order. :meth:`close` ends the
+    window whose last fragment synced and starts the next at the length decided for it. Answers
+    what a ``Schedule`` answers (``kind``, ``fragments_due``, ``is_sync``, ``is_exact``), so the
+    front-end and the engine read it in its place; warmup steps are exact on every node, as there.
 
     >>> w = Windows(Schedule(period=4, fragments=2))
     >>> [w.fragments_due(i) for i in range(4)]

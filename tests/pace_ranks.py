@@ -4,6 +4,7 @@ collectives: each node's local SGD by hand, then the average weighted by its sam
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -63,7 +64,7 @@ def run(cfg: dict) -> dict:
         state.synchronize(model)
     out = {
         "node": node,
-        "lengths": [b - a for a, b in zip(starts, starts[1:])],
+        "lengths": [b - a for a, b in itertools.pairwise(starts)],
         "params": flat(model).tolist(),
         "tally": state.stats.collectives.get("tally", 0),
         "pid": os.getpid(),

@@ -19,6 +19,7 @@ from the fastest node's measured step alone). :func:`worker` runs on every rank
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -56,6 +57,13 @@ def parse_slow(items: list[str] | str | None, nodes: int) -> dict[int, float]:
     return out
 
 
+def _train_step(ddp: Any, opt: Any, data: Any, loss_fn: Any, gen: Any) -> None:
+    x, y = data(0, gen)
+    loss_fn(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
 def worker(config: dict) -> dict[str, Any]:
     """Every rank: the rows of :data:`ROWS` in turn; per row this rank's steps and timed wall seconds."""
     import torch
@@ -86,11 +94,7 @@ def worker(config: dict) -> dict[str, Any]:
                 ddp, opt, period=k, fragments=int(config["fragments"]), overlap=1, pace=row, chunk_mb=25.0
             )
 
-        def step() -> None:
-            x, y = data(0, gen)
-            loss_fn(ddp(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+        step = functools.partial(_train_step, ddp, opt, data, loss_fn, gen)
 
         if row in ("alone", "ddp"):
             n = ALONE_STEPS if row == "alone" else int(config["ddp_steps"])
