@@ -128,11 +128,7 @@ class HierComm:
     def _count(self, level: str, kind: str, group_size: int, nbytes: int) -> None:
         """One collective of ``kind`` on ``nbytes`` over ``group_size`` ranks, in ``stats``."""
         if group_size > 1:
-            with self.stats.lock:
-                self.stats.collectives[level] = self.stats.collectives.get(level, 0) + 1
-                self.stats.bytes_sent[level] = self.stats.bytes_sent.get(level, 0) + collective_bytes(
-                    kind, group_size, nbytes
-                )
+            self.stats.count_collective(level, collective_bytes(kind, group_size, nbytes))
 
     def _phase(self, what: str) -> str:
         """``what`` plus the step context, this rank and the ranks of the groups involved."""

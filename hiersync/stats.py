@@ -54,6 +54,13 @@ class Stats:
                 self.sync_steps += 1
                 self.recent_sync_steps.append(step)
 
+    def count_collective(self, level: str, nbytes: int) -> None:
+        """One collective on ``level`` that sent ``nbytes`` (its busbw bytes:
+        :func:`hiersync.collectives.collective_bytes`)."""
+        with self.lock:
+            self.collectives[level] = self.collectives.get(level, 0) + 1
+            self.bytes_sent[level] = self.bytes_sent.get(level, 0) + nbytes
+
     def count_skip(self, kind: str) -> None:
         """This rank skipped the update of a step of ``kind`` (non-finite gradient)."""
         with self.lock:

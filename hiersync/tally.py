@@ -227,12 +227,8 @@ class Tally:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result([vec])
             return fut
-        with self.stats.lock:
-            self.stats.collectives[TALLY] = self.stats.collectives.get(TALLY, 0) + 1
-            size = self.group.size()
-            self.stats.bytes_sent[TALLY] = self.stats.bytes_sent.get(TALLY, 0) + collective_bytes(
-                "all_reduce", size, vec.numel() * vec.element_size()
-            )
+        nbytes = collective_bytes("all_reduce", self.group.size(), vec.numel() * vec.element_size())
+        self.stats.count_collective(TALLY, nbytes)
         return issue(dist.all_reduce, vec, group=self.group, what="the tally of samples and step times")
 
     # ------------------------------------------------------------- checkpoints

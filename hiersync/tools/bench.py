@@ -429,16 +429,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hiersync.tools.launch import RankFailed
 
+    from .cluster import cluster_args
     from .testbed import TestbedError
 
     timeout = args.timeout or (7200.0 if args.full else 900.0) * args.repeat
     try:
         rows, raw = run_bench(
             config,
-            nodes=args.nodes,
-            procs_per_node=args.procs_per_node,
-            inter_rate=args.inter_rate,
-            loopback=args.loopback,
+            **cluster_args(args),
             timeout=timeout,
             progress=not args.no_progress,
         )

@@ -199,7 +199,7 @@ def run(args: Any) -> int:
     """``bench --slow``: one run of :data:`ROWS` on the emulated cluster; a table and ``pace.json``."""
     from hiersync.vocab import parse_count
 
-    from .cluster import run_ranks
+    from .cluster import cluster_args, run_ranks
 
     slow = parse_slow(args.slow, args.nodes)
     config = {
@@ -218,10 +218,7 @@ def run(args: Any) -> int:
     results, _ = run_ranks(
         "hiersync.tools.bench_pace:worker",
         config,
-        nodes=args.nodes,
-        procs_per_node=args.procs_per_node,
-        inter_rate=args.inter_rate,
-        loopback=args.loopback,
+        **cluster_args(args),
         timeout=args.timeout or 1800.0,
     )
     rows = summarize(results, config)

@@ -28,9 +28,17 @@ from hiersync.tools.launch import run as launch_ranks
 from .netns import DEFAULT_RATE
 from .testbed import Testbed, TestbedError
 
-__all__ = ["run_ranks", "resolve", "call"]
+__all__ = ["run_ranks", "resolve", "call", "cluster_args"]
 
 logger = logging.getLogger(__name__)
+
+
+def cluster_args(args: Any) -> dict[str, Any]:
+    """:func:`run_ranks`'s cluster from a command's parsed ``--nodes``, ``--procs-per-node``,
+    ``--inter-rate`` and ``--loopback``."""
+    return dict(
+        nodes=args.nodes, procs_per_node=args.procs_per_node, inter_rate=args.inter_rate, loopback=args.loopback
+    )
 
 
 def resolve(target: str) -> Callable[[dict], Any]:

@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hiersync.tools.launch import RankFailed
 
-    from .cluster import run_ranks
+    from .cluster import cluster_args, run_ranks
     from .testbed import TestbedError
 
     config = make_config(args)
@@ -337,10 +337,7 @@ def run(args: argparse.Namespace) -> int:
             results, info = run_ranks(
                 "hiersync.tools.collbench:worker",
                 config,
-                nodes=args.nodes,
-                procs_per_node=args.procs_per_node,
-                inter_rate=args.inter_rate,
-                loopback=args.loopback,
+                **cluster_args(args),
                 timeout=args.timeout,
                 poll=poll,
             )
