@@ -3,9 +3,10 @@
 Trains the time-to-loss task's model (examples/_lm.py: a byte-level GPT on the Python standard
 library, AdamW, peak lr 1e-3) on the testbed's 2 nodes x 1 rank, with node 1 slowed to
 ``--factor`` of its speed: after each of its steps it sleeps ``(1 / factor - 1)`` x the step's
-compute time, measured before training (forward and backward of the bare model, the slowest
-rank's median), so it trains at ``factor`` x the speed of node 0 while leaving the CPU to node 0
-(an accelerator at a lower clock, not a busier CPU). Rows (``--rows``):
+compute time, measured before training (forward and backward of the bare model, the fastest
+rank's median), so it trains at about ``factor`` x the speed of node 0. Each rank computes on
+one thread (2 nodes, one core each on the 2-core box), so a nap idles the slow node's core
+without speeding the other: an accelerator at a lower clock, not a busier CPU. Rows (``--rows``):
 
 * ``ddp``: DDP's all-reduce every step, both nodes at full speed: the target loss (its mean
   final validation loss over the seeds).
@@ -62,20 +63,22 @@ SLOW_NODE = 1
 
 # ---------------------------------------------------------------- every rank
 def _compute_s(model: Any, train: Any, args: argparse.Namespace, rank: int, device: Any) -> float:
-    """The slowest rank's median forward + backward of the bare model (no collectives)."""
+    """The fastest rank's median forward + backward of the bare model (no collectives): the nap's
+    unit, the same on every rank (the minimum: a rank still starting up inflates the other's)."""
     import torch
     import torch.distributed as dist
 
     bare = copy.deepcopy(model)
     times = []
-    for i in range(7):
+    dist.barrier()
+    for i in range(12):
         x, y = _lm.train_batch(train, args, rank, 10**6 + i, device)
         t0 = time.perf_counter()
         _, loss = bare(x, y)
         loss.backward()
         times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times[2:])], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([statistics.median(times[3:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return float(t.item())
 
 
@@ -115,6 +118,9 @@ def worker(args: argparse.Namespace) -> None:
     import hiersync
 
     rank, _, device = _lm.setup()
+    # one thread a rank: each node computes on a core of its own, and a slow node's nap does not
+    # lend its core to the other (which would make the fast node faster than it is alone)
+    torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     train, val = _lm.load_text(args.text_mb)
     model = _lm.GPT(args).to(device)

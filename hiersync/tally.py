@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import collective_bytes
-from .futures import issue, wait
+from .futures import issue, wait, wrap
 from .pace import Windows, steps_per_window
 from .stats import Stats
 from .topology import Topology
@@ -49,13 +49,18 @@ TALLY = "tally"
 class Agreed:
     """The tally of one sync, read once (the first read waits for the all-reduce)."""
 
-    def __init__(self, future: torch.futures.Future | None, values: list[float] | None = None) -> None:
-        self._future, self._values = future, values
+    def __init__(
+        self, future: torch.futures.Future | None, values: list[float] | None = None, phase: str = "tally"
+    ) -> None:
+        self._future, self._values, self._phase = future, values, phase
 
     def values(self) -> list[float]:
         if self._values is None:
             assert self._future is not None
-            self._values = wait(self._future)[0].tolist()
+            try:
+                self._values = wait(self._future)[0].tolist()
+            except Exception as e:
+                raise wrap(e, self._phase) from e
             self._future = None
         return self._values
 
@@ -176,7 +181,10 @@ class Tally:
             mine = torch.tensor([self.since[f], step_s], dtype=torch.float64)
             if self.group_is_rail:  # the node's sums first (blocking: two values over the node's ranks)
                 if self.intra is not None:
-                    wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
+                    try:
+                        wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
+                    except Exception as e:
+                        raise wrap(e, self._phase("node's sum of the tally", step)) from e
                 else:
                     mine[0] *= self.node_size
                 mine[1] /= self.node_size
@@ -184,7 +192,7 @@ class Tally:
                 mine[1] /= self.node_size
             vec = torch.zeros(2 * N, dtype=torch.float64)
             vec[self.node :: N] = mine
-            agreed = Agreed(self._all_reduce(vec))
+            agreed = Agreed(self._all_reduce(vec), phase=self._phase("tally of samples and step times", step))
             if self.windows is None:  # fixed pace: every node took this rank's steps
                 expected = float(self.steps_since[f] * topo.world_size)
             else:
@@ -206,6 +214,11 @@ class Tally:
         blocking and collective (``synchronize()``); nothing is reset."""
         f = self.fragments - 1
         return self.open(-1, [f], close=False)[f].samples()
+
+    def _phase(self, what: str, step: int) -> str:
+        """``what`` with the step (-1: ``synchronize()``) and the ranks, as the comm names its collectives."""
+        ctx = f"step {step}, sync step" if step >= 0 else "synchronize()"
+        return f"{what} ({ctx}; rank {self.rank}, node ranks {list(self.topology.node_ranks(self.rank))})"
 
     def _step_times(self, agreed: Agreed) -> list[float]:
         """Every node's step time in a tally (its second row)."""

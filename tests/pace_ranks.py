@@ -51,7 +51,7 @@ def run(cfg: dict) -> dict:
         time.sleep(cfg["step_s"][node])
         x, y = batch(rank, step)
         if cfg.get("count"):
-            n = counted(rank, step)
+            n = 0.0 if cfg.get("zero") == [node, state.window] else counted(rank, step)
             state.count_samples(n)
             counts.append(n)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -74,12 +74,17 @@ def run(cfg: dict) -> dict:
 
 
 def reference(
-    node_ids: list[int], lengths: dict[int, list[int]], count: bool = False, weighted: bool = True
+    node_ids: list[int],
+    lengths: dict[int, list[int]],
+    count: bool = False,
+    weighted: bool = True,
+    zero: list[int] | None = None,
 ) -> torch.Tensor:
     """The parameters after the windows ``lengths`` (steps of each node, per window), by hand: each
     node's ranks average their gradients every step; at each window's end the nodes' parameters are
     averaged, weighted by the samples of their ranks in the window (one a step, or ``counted``);
-    ``weighted=False``: the plain mean of the nodes (what a test must tell apart from it)."""
+    ``weighted=False``: the plain mean of the nodes (what a test must tell apart from it);
+    ``zero=[node, window]``: that node counted no samples in that window (it adds nothing to it)."""
     nodes = sorted(set(node_ids))
     ranks = {n: [r for r, m in enumerate(node_ids) if m == n] for n in nodes}
     model = net()
@@ -97,7 +102,7 @@ def reference(
                     h = torch.tanh(x @ q[0].T + q[1]) @ q[2].T + q[3]
                     g = torch.autograd.grad(torch.nn.functional.mse_loss(h, y), q)
                     grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-                    samples += counted(r, s) if count else 1.0
+                    samples += 0.0 if zero == [n, w] else counted(r, s) if count else 1.0
                 with torch.no_grad():
                     for t, g in zip(q, grads):
                         t -= LR * g / len(ranks[n])

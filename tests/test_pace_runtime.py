@@ -19,7 +19,7 @@ from hiersync.config import HierConfig
 FAST, SLOW = 0.02, 0.08
 
 
-def _check(res, node_ids, count=False, atol=1e-6):
+def _check(res, node_ids, count=False, atol=1e-6, zero=None):
     by_node = {}
     for r in res:
         by_node.setdefault(r["node"], r["lengths"])
@@ -27,21 +27,34 @@ def _check(res, node_ids, count=False, atol=1e-6):
     first = torch.tensor(res[0]["params"])
     for r in res[1:]:
         torch.testing.assert_close(torch.tensor(r["params"]), first, rtol=0, atol=0)  # equal after each sync
-    ref = pace_ranks.reference(node_ids, by_node, count=count)
+    ref = pace_ranks.reference(node_ids, by_node, count=count, zero=zero)
     torch.testing.assert_close(first, ref, rtol=1e-5, atol=atol)
     plain = pace_ranks.reference(node_ids, by_node, count=count, weighted=False)
     assert (plain - ref).abs().max() > 10 * atol, "the weights do not change the reference: the test cannot tell"
     return by_node
 
 
-@pytest.mark.parametrize("name", ["2x1", "2x2", "uneven"])
+@pytest.mark.parametrize("name", ["2x1", "2x2", "uneven", "noncontiguous", "3x1"])
 def test_a_slow_node_takes_the_steps_that_fit_and_the_average_weighs_its_samples(name):
-    node_ids = TOPOLOGIES[name] if name != "uneven" else [0, 0, 1]
-    cfg = {"options": {"period": 8, "pace": "adaptive"}, "windows": 4, "step_s": [FAST, SLOW]}
+    node_ids = {"uneven": [0, 0, 1], "3x1": [0, 1, 2]}.get(name) or TOPOLOGIES[name]
+    # 3x1: a third node at half speed takes floor(8 * 0.02 / 0.04 * 1.05) = 4
+    cfg = {"options": {"period": 8, "pace": "adaptive"}, "windows": 4, "step_s": [FAST, SLOW, 2 * FAST]}
     res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
     lengths = _check(res, node_ids)
-    assert lengths == {0: [8, 8, 8, 8], 1: [8, 8, 2, 2]}
+    expected = {0: [8, 8, 8, 8], 1: [8, 8, 2, 2], 2: [8, 8, 4, 4]}
+    assert lengths == {n: expected[n] for n in set(node_ids)}
     assert all(r["tally"] == 4 for r in res)  # one tally a sync
+
+
+def test_a_node_that_counted_no_samples_adds_nothing_to_its_window():
+    """Node 1 counts 0 samples through the third window (a joiner's, or a batch of padding): that
+    window's average is node 0's parameters; the windows around it weigh both nodes."""
+    node_ids = TOPOLOGIES["2x2"]
+    cfg = {"options": {"period": 4, "pace": "adaptive"}, "windows": 4, "step_s": [FAST, SLOW], "count": True}
+    cfg["zero"] = [1, 2]
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    lengths = _check(res, node_ids, count=True, zero=[1, 2])
+    assert lengths[1] == [4, 4, 1, 1]
 
 
 @pytest.mark.parametrize("pace", ["fixed", "adaptive"])

@@ -151,3 +151,39 @@ def test_falls_back_to_loopback_with_a_warning(tmp_path, monkeypatch, caplog):
     seen = sorted((tmp_path / f"rank-{r}").read_text() for r in range(2))
     # One torchrun agent per emulated node: distinct GROUP_RANKs, so Topology.detect() sees two nodes.
     assert seen == ["0 lo 127.0.0.1", "1 lo 127.0.0.1"]
+
+
+def test_slow_nodes_are_checked_and_parsed():
+    assert testbed.parse_slow(["1=0.5", "0=0.25,2=1"], 3) == {1: 0.5, 0: 0.25, 2: 1.0}
+    assert testbed.parse_slow(None, 2) == {}
+    for bad in ("1=0", "2=0.5", "1", "x=0.5", "1=1.5"):
+        with pytest.raises(ValueError, match="NODE=FACTOR"):
+            testbed.parse_slow(bad, 2)
+    with pytest.raises(ValueError, match="0 < factor <= 1"):
+        Testbed(nodes=2, slow={1: 2.0})
+    tb = Testbed(nodes=2, procs_per_node=1, slow={1: 0.5})
+    assert tb.node_env(1)["HIERSYNC_TESTBED_SPEED"] == "0.5" and "HIERSYNC_TESTBED_SPEED" not in tb.node_env(0)
+    assert "node 1 at 0.5x speed" in tb.describe()
+
+
+@pytest.mark.skipif(not os.access("/sys/fs/cgroup/cpu", os.W_OK), reason="needs a writable cgroup v1 cpu controller")
+def test_a_slow_node_computes_at_its_factor(tmp_path):
+    # each node spins for 1.5 s of wall time and counts its loops: a node capped at 0.25 of its
+    # share of the CPUs counts well under half of what the uncapped node does
+    script = tmp_path / "spin.py"
+    script.write_text(
+        "import os, time\n"
+        "t0, n = time.perf_counter(), 0\n"
+        "while time.perf_counter() - t0 < 1.5:\n"
+        "    n += 1\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'node' + os.environ['HIERSYNC_TESTBED_NODE'] + '.count'), 'w')"
+        ".write(f\"{n} {os.environ.get('HIERSYNC_TESTBED_SPEED', '1')}\")\n"
+    )
+    with Testbed(nodes=2, procs_per_node=1, loopback=True, slow={1: 0.25}) as tb:
+        tb.launch([str(script)], timeout=120, log_dir=tmp_path / "logs")
+        groups = list(Path("/sys/fs/cgroup/cpu").glob(f"{tb.tag}-node*"))
+    fast, fast_speed = (tmp_path / "node0.count").read_text().split()
+    slow, slow_speed = (tmp_path / "node1.count").read_text().split()
+    assert (fast_speed, slow_speed) == ("1", "0.25")
+    assert int(slow) < 0.5 * int(fast), (slow, fast)
+    assert not groups, groups  # removed when the launch ended

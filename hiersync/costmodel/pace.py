@@ -150,7 +150,7 @@ def format_paced(rows: Sequence[Paced], speeds: Sequence[float], period: int) ->
     lines = [head, table]
     if any(r.pace == "adaptive" for r in rows):
         lines.append(
-            "  adaptive pace is priced here, not run: this version's runtime runs fixed pace (every node waits at "
-            "each sync for the slowest)"
+            "  adaptive pace: hiersync.register(..., pace='adaptive'); its averages weigh each node by the samples "
+            "it trained (samples/window: what a window trains against fixed pace's)"
         )
     return "\n".join(lines)

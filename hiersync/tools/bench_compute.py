@@ -14,6 +14,7 @@ accel layers asked to sleep and what they slept.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -98,7 +99,8 @@ def build_model(name: str, config: dict, compute: str = "cpu"):
         depth = int(config["mlp_depth"])
         width = max(8, int(round(math.sqrt(float(config["mlp_params"]) / depth))))
         layers: list[torch.nn.Module] = []
-        fwd_ms = float(config.get("accel_layer_ms", 25.0))
+        # a slow testbed node (testbed --slow NODE=FACTOR) runs its layers 1 / FACTOR as long
+        fwd_ms = float(config.get("accel_layer_ms", 25.0)) / float(os.environ.get("HIERSYNC_TESTBED_SPEED", 1.0))
         for i in range(depth):
             if compute == "accel":
                 layers.append(accel_linear(width, fwd_ms, 2 * fwd_ms))

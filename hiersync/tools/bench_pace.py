@@ -27,34 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["parse_slow", "worker", "summarize", "run"]
+__all__ = ["worker", "summarize", "run"]
 
 logger = logging.getLogger(__name__)
 
 ROWS = ("alone", "ddp", "fixed", "adaptive")
 ALONE_STEPS = 16
-
-
-def parse_slow(items: list[str] | str | None, nodes: int) -> dict[int, float]:
-    """``["1=0.5"]`` or ``"1=0.5,3=0.25"`` -> ``{1: 0.5}``: a node's speed relative to full speed (0 < FACTOR <= 1)."""
-    if not items:
-        return {}
-    if isinstance(items, str):
-        items = [items]
-    out: dict[int, float] = {}
-    for part in (p for item in items for p in item.split(",") if p.strip()):
-        node, sep, factor = part.partition("=")
-        try:
-            n, f = int(node), float(factor)
-        except ValueError:
-            n, f = -1, float("nan")
-        if not sep or not 0 <= n < nodes or not 0 < f <= 1:
-            raise ValueError(
-                f"--slow {part!r}: give NODE=FACTOR with NODE in 0..{nodes - 1} and 0 < FACTOR <= 1 (e.g. 1=0.5: "
-                "node 1 computes at half speed)"
-            )
-        out[n] = f
-    return out
 
 
 def _train_step(ddp: Any, opt: Any, data: Any, loss_fn: Any, gen: Any) -> None:
@@ -200,6 +178,7 @@ def run(args: Any) -> int:
     from hiersync.vocab import parse_count
 
     from .cluster import cluster_args, run_ranks
+    from .testbed import parse_slow
 
     slow = parse_slow(args.slow, args.nodes)
     config = {

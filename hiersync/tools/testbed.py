@@ -102,6 +102,11 @@ class Testbed:
             shaped per destination (htb): ``inter_rate`` to the nodes of its rack, ``world_rate``
             to every other node (the spine).
         world_rate: tc rate of a node's traffic to other racks (needs ``nodes_per_rack``).
+        slow: ``{node: factor}`` (0 < factor <= 1): that node's ranks see ``HIERSYNC_TESTBED_SPEED``
+            = factor (the project's accelerator-like compute model runs its layers 1 / factor as
+            long) and, where this machine's cgroups allow it (root; cgroup v1 ``cpu`` or v2
+            ``cpu.max``), its processes are capped at factor x its share of the CPUs (cores /
+            nodes), so real CPU compute slows too; else a warning says the cap is missing.
 
     Use it as a context manager: the network exists inside the ``with`` block only. Without
     root or iproute2 (or when building the namespaces fails) it logs a warning and runs on
@@ -121,6 +126,7 @@ class Testbed:
         loopback: bool = False,
         nodes_per_rack: int | None = None,
         world_rate: str | None = None,
+        slow: dict[int, float] | None = None,
     ) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= _MAX_NODES:
             raise ValueError(f"nodes={nodes!r} must be an int in 1..{_MAX_NODES}")
@@ -144,6 +150,15 @@ class Testbed:
             if inter_rate is None:
                 raise ValueError(f"world_rate={world_rate!r} needs inter_rate (the rate inside a rack)")
             parse_rate(world_rate)
+        for node, factor in (slow or {}).items():
+            known = isinstance(node, int) and 0 <= node < nodes and isinstance(factor, (int, float))
+            if not (known and 0 < factor <= 1):
+                raise ValueError(
+                    f"slow={slow!r}: give {{node: factor}} with node in 0..{nodes - 1} and 0 < factor <= 1 "
+                    "(e.g. {1: 0.5}: node 1 at half speed)"
+                )
+        self.slow = dict(slow or {})
+        self._cgroups: list[Path] = []
         self.nodes_per_rack = nodes_per_rack
         self.world_rate = world_rate
         self.nodes = nodes
@@ -186,6 +201,8 @@ class Testbed:
 
     def describe(self) -> str:
         shape = f"{self.nodes} nodes x {self.procs_per_node} ranks"
+        if self.slow:
+            shape += " (" + ", ".join(f"node {n} at {f:g}x speed" for n, f in sorted(self.slow.items())) + ")"
         if not self.emulated:
             return f"{shape} on loopback (links NOT shaped: {self.fallback_reason or 'loopback requested'})"
         link = (
@@ -332,6 +349,8 @@ class Testbed:
                 "HIERSYNC_TESTBED_EMULATED": "1" if self.emulated else "0",
             }
         )
+        if node in self.slow:
+            env["HIERSYNC_TESTBED_SPEED"] = str(self.slow[node])
         if self.nodes_per_rack is not None:  # Topology.detect groups the nodes into racks from it
             env.update({"HIERSYNC_TESTBED_RACK": str(self.rack_of(node)), "HIERSYNC_RACK_KEY": "HIERSYNC_TESTBED_RACK"})
         return env
@@ -420,6 +439,8 @@ class Testbed:
                             start_new_session=True,
                         )
                     )
+                    if node in self.slow:
+                        self._cap_cpu(node, procs[-1].pid)
                 while True:
                     codes = [p.poll() for p in procs]
                     bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -443,12 +464,71 @@ class Testbed:
                 self._terminate(procs)
                 for f in files:
                     f.close()
+                self._uncap_cpu()
+
+    def _cap_cpu(self, node: int, pid: int) -> None:
+        """Cap node ``node``'s agent (and the ranks it starts) at its factor of a node's CPUs."""
+        cpus = self.slow[node] * (os.cpu_count() or 1) / self.nodes
+        period = 100_000
+        quota = max(1000, int(cpus * period))
+        v2 = Path("/sys/fs/cgroup")
+        try:
+            if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").exists() else ():
+                group = v2 / f"{self.tag}-node{node}"
+                group.mkdir()
+                self._cgroups.append(group)
+                (group / "cpu.max").write_text(f"{quota} {period}")
+                (group / "cgroup.procs").write_text(str(pid))
+            else:
+                group = Path("/sys/fs/cgroup/cpu") / f"{self.tag}-node{node}"
+                group.mkdir()
+                self._cgroups.append(group)
+                (group / "cpu.cfs_period_us").write_text(str(period))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+                (group / "tasks").write_text(str(pid))
+            logger.info("testbed: node %d capped at %.2f CPUs (%s)", node, cpus, group)
+        except OSError as e:
+            logger.warning(
+                "testbed: could not cap node %d's CPU at %.2f (%s): its real compute runs at full speed; only "
+                "HIERSYNC_TESTBED_SPEED (the accelerator-like compute model) slows it",
+                node,
+                cpus,
+                e,
+            )
+
+    def _uncap_cpu(self) -> None:
+        for group in self._cgroups:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        self._cgroups = []
 
     def _terminate(self, procs: Sequence[subprocess.Popen]) -> None:
         stop_agents(procs, self.namespaces)
 
 
 # ---------------------------------------------------------------------------- CLI
+def parse_slow(items: list[str] | str | None, nodes: int) -> dict[int, float]:
+    """``["1=0.5"]`` or ``"1=0.5,3=0.25"`` -> ``{1: 0.5}``: a node's speed relative to full speed (0 < FACTOR <= 1)."""
+    if not items:
+        return {}
+    if isinstance(items, str):
+        items = [items]
+    out: dict[int, float] = {}
+    for part in (p for item in items for p in item.split(",") if p.strip()):
+        node, sep, factor = part.partition("=")
+        try:
+            n, f = int(node), float(factor)
+        except ValueError:
+            n, f = -1, float("nan")
+        if not sep or not 0 <= n < nodes or not 0 < f <= 1:
+            raise ValueError(
+                f"--slow {part!r}: give NODE=FACTOR with NODE in 0..{nodes - 1} and 0 < FACTOR <= 1 (e.g. 1=0.5: "
+                "node 1 computes at half speed)"
+            )
+        out[n] = f
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     parser.add_argument("--procs-per-node", type=int, default=2, help="ranks per node")
@@ -461,6 +541,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--world-rate", default=None, help="tc rate of a node's traffic to other racks (--inter-rate: inside its rack)"
+    )
+    parser.add_argument(
+        "--slow",
+        action="append",
+        metavar="NODE=FACTOR",
+        help="node NODE at FACTOR x speed (e.g. 1=0.5): its CPU capped, HIERSYNC_TESTBED_SPEED set; repeatable",
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
     parser.add_argument("--log-dir", default=None, help="write node<i>.log there instead of this terminal")
@@ -482,6 +568,7 @@ def run(args: argparse.Namespace) -> int:
         loopback=args.loopback,
         nodes_per_rack=args.nodes_per_rack,
         world_rate=args.world_rate,
+        slow=parse_slow(args.slow, args.nodes),
     ) as tb:
         logger.info("testbed: running %s on %s", " ".join(command), tb.describe())
         try:
