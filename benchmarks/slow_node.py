@@ -223,10 +223,12 @@ def loss_at(evals: list[dict], samples: float) -> float:
 
 
 def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict], dict[str, Any]]:
-    target = statistics.fmean(r["final_val_loss"] for r in runs["ddp"])
+    """DDP's mean final loss and one row per schedule; each seed's run is read against the final
+    loss of DDP's run on the same seed (the same weights and batches), its target."""
+    targets = [r["final_val_loss"] for r in runs["ddp"]]
     rows, hits = [], {}
     for name, rs in runs.items():
-        hit = [reach(r["evals"], target) for r in rs]
+        hit = [reach(r["evals"], t) for r, t in zip(rs, targets)]
         hits[name] = hit
         got = [h for h in hit if h is not None]
         at = [loss_at(r["evals"], steps) for r in rs]
@@ -260,7 +262,7 @@ def summarize(runs: dict[str, list[dict]], steps: int) -> tuple[float, list[dict
             for a, f in zip(runs["adaptive_slow"], runs["fixed"])
         ]
         goals["loss_at_equal_samples_vs_fixed"] = mean_interval(rel)
-    return target, rows, goals
+    return statistics.fmean(targets), rows, goals
 
 
 def _iv(iv: dict | None, spec: str = ".1f") -> str:
@@ -291,7 +293,8 @@ def report(target: float, rows: list[dict], goals: dict[str, Any], a: argparse.N
     ]
     lines = [
         f"2 nodes x 1 rank, testbed link {a.inter_rate}, node {SLOW_NODE} at {a.factor}x in the *_slow rows; "
-        f"k=4 streaming (F=4, overlap 1); seeds {a.seeds}; DDP's mean final val loss {target:.4f}",
+        f"k=4 streaming (F=4, overlap 1); seeds {a.seeds}; DDP's mean final val loss {target:.4f} (each seed's "
+        "target: DDP's final loss on that seed); mean over seeds [90% bootstrap interval]",
         render(head, body),
     ]
     w = goals.get("wall_adaptive_over_fixed_slow")
@@ -320,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=20, help="samples per node between evaluations")
     p.add_argument("--inter-rate", default="800mbit", help="tbf rate of each node's egress")
     p.add_argument("--timeout", type=float, default=900.0, help="per testbed launch, seconds")
+    p.add_argument("--from", dest="source", default=None, help="report the runs of a slow_node.json instead")
     a = p.parse_args(argv)
     if a.worker:
         a.max_steps = a.max_steps or a.steps
@@ -332,7 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rows {a.rows!r}: give rows of {', '.join(ROWS)}, ddp among them (the target)")
     seeds = [int(s) for s in a.seeds.split(",")]
     runs: dict[str, list[dict]] = {r: [] for r in rows}
-    for seed in seeds:
+    if a.source is not None:
+        saved = json.loads(Path(a.source).read_text())
+        runs = saved["runs"]
+        for k in ("seeds", "factor", "steps", "inter_rate"):
+            setattr(a, k, saved["args"][k])
+    for seed in seeds if a.source is None else ():
         for row in rows:
             runs[row].append(launch(a, row, seed))
     target, table, goals = summarize(runs, a.steps)

@@ -143,6 +143,14 @@ class Windows:
     def is_sync(self, step: int) -> bool:
         return bool(self.fragments_due(step))
 
+    def apply_at(self, step: int, overlap: int) -> int:
+        """``overlap`` of the slowest node's steps, counted in this node's: a node that takes 4 steps
+        to the slowest's one applies a sync 4 of its steps after the launch, at about the time the
+        slowest applies it after its next, so its transfer has that long to end (tau of this node's
+        own steps would wait for it). A correction still in flight when its fragment syncs again
+        is applied first, as under fixed pace."""
+        return step + 1 + max(overlap, -(-overlap * self.length // self.grid))
+
     def kind(self, step: int) -> StepKind:
         if self.is_exact(step):
             return StepKind.EXACT

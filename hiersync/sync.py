@@ -301,7 +301,7 @@ class CrossNodeSync:
         due, self.due = self.due, None
         if due is not None:
             step, fragments = due
-            apply_at = step + 1 + self.overlap if self.overlap else 0
+            apply_at = self.schedule.apply_at(step, self.overlap) if self.overlap else 0
             with torch.no_grad(), record_function("hiersync/sync_after_step"):
                 self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
 
