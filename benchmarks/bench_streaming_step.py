@@ -44,6 +44,7 @@ class _Node:
         self.topology = Topology.from_node_ids([0, 0, 1, 1])
         self.groups = types.SimpleNamespace(node_size=L, local_rank=0)
         self.rail = GroupRail(None, nodes=2)
+        self.weighting = None  # every node's samples alike (no tally)
 
     def rail_nodes(self) -> int:
         return 2

@@ -81,10 +81,6 @@ class Schedule:
             return bool(self.fragments_due(step))
         return not self.is_exact(step) and (step - self.warmup_steps + 1) % self.period == 0
 
-    def apply_at(self, step: int, overlap: int) -> int:
-        """Steps done when a sync launched after ``step`` with ``overlap`` tau is applied."""
-        return step + 1 + overlap
-
     def kind(self, step: int) -> StepKind:
         """``"exact"``, ``"sync"`` or ``"local"``."""
         if self.is_exact(step):

@@ -301,7 +301,9 @@ class CrossNodeSync:
         due, self.due = self.due, None
         if due is not None:
             step, fragments = due
-            apply_at = self.schedule.apply_at(step, self.overlap) if self.overlap else 0
+            # adaptive pace's windows count tau in the slowest node's steps (Windows.apply_at)
+            at = getattr(self.schedule, "apply_at", None)
+            apply_at = (at(step, self.overlap) if at is not None else step + 1 + self.overlap) if self.overlap else 0
             with torch.no_grad(), record_function("hiersync/sync_after_step"):
                 self._sync(Marker("sync", step, tuple(fragments), bool(self.overlap), apply_at))
 

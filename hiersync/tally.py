@@ -122,6 +122,7 @@ class Tally:
         else the world's (every rank adds its own)."""
         self.node = topology.node_of(rank)
         self.node_size = len(topology.node_ranks(rank))
+        self._where = f"rank {rank}, node ranks {list(topology.node_ranks(rank))}"  # named in errors
         self.period, self.fragments, self.windows = period, fragments, windows
         self.counting = False
         """Whether this rank ever counted (then its steps add no unit of their own)."""
@@ -218,7 +219,7 @@ class Tally:
     def _phase(self, what: str, step: int) -> str:
         """``what`` with the step (-1: ``synchronize()``) and the ranks, as the comm names its collectives."""
         ctx = f"step {step}, sync step" if step >= 0 else "synchronize()"
-        return f"{what} ({ctx}; rank {self.rank}, node ranks {list(self.topology.node_ranks(self.rank))})"
+        return f"{what} ({ctx}; {self._where})"
 
     def _step_times(self, agreed: Agreed) -> list[float]:
         """Every node's step time in a tally (its second row)."""

@@ -79,17 +79,21 @@ def reference(
     count: bool = False,
     weighted: bool = True,
     zero: list[int] | None = None,
+    outer: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """The parameters after the windows ``lengths`` (steps of each node, per window), by hand: each
     node's ranks average their gradients every step; at each window's end the nodes' parameters are
     averaged, weighted by the samples of their ranks in the window (one a step, or ``counted``);
     ``weighted=False``: the plain mean of the nodes (what a test must tell apart from it);
-    ``zero=[node, window]``: that node counted no samples in that window (it adds nothing to it)."""
+    ``zero=[node, window]``: that node counted no samples in that window (it adds nothing to it);
+    ``outer=(lr, mu)``: DiLoCo's outer Nesterov step on the weighted average (g = anchor - average,
+    m = mu m + g, new = anchor - lr (g + mu m))."""
     nodes = sorted(set(node_ids))
     ranks = {n: [r for r, m in enumerate(node_ids) if m == n] for n in nodes}
     model = net()
     p = [t.detach().clone() for t in model.parameters()]
     done = dict.fromkeys(nodes, 0)
+    m: list[torch.Tensor] = []
     for w in range(len(lengths[nodes[0]])):
         outs, weights = [], []
         for n in nodes:
@@ -110,7 +114,14 @@ def reference(
             outs.append([t.detach() for t in q])
             weights.append(samples if weighted else 1.0)
         total = sum(weights)
-        p = [sum(wt * o[i] for wt, o in zip(weights, outs)) / total for i in range(len(p))]
+        avg = [sum(wt * o[i] for wt, o in zip(weights, outs)) / total for i in range(len(p))]
+        if outer is None:
+            p = avg
+            continue
+        lr, mu = outer
+        g = [a - b for a, b in zip(p, avg)]
+        m = [mu * mi + gi for mi, gi in zip(m, g)] if w else g
+        p = [a - lr * (gi + mu * mi) for a, gi, mi in zip(p, g, m)]
     return torch.cat([t.reshape(-1) for t in p])
 
 

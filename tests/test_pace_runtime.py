@@ -19,7 +19,7 @@ from hiersync.config import HierConfig
 FAST, SLOW = 0.02, 0.08
 
 
-def _check(res, node_ids, count=False, atol=1e-6, zero=None):
+def _check(res, node_ids, count=False, atol=1e-6, zero=None, outer=None):
     by_node = {}
     for r in res:
         by_node.setdefault(r["node"], r["lengths"])
@@ -27,9 +27,9 @@ def _check(res, node_ids, count=False, atol=1e-6, zero=None):
     first = torch.tensor(res[0]["params"])
     for r in res[1:]:
         torch.testing.assert_close(torch.tensor(r["params"]), first, rtol=0, atol=0)  # equal after each sync
-    ref = pace_ranks.reference(node_ids, by_node, count=count, zero=zero)
+    ref = pace_ranks.reference(node_ids, by_node, count=count, zero=zero, outer=outer)
     torch.testing.assert_close(first, ref, rtol=1e-5, atol=atol)
-    plain = pace_ranks.reference(node_ids, by_node, count=count, weighted=False)
+    plain = pace_ranks.reference(node_ids, by_node, count=count, weighted=False, outer=outer)
     assert (plain - ref).abs().max() > 10 * atol, "the weights do not change the reference: the test cannot tell"
     return by_node
 
@@ -73,6 +73,16 @@ def test_the_quantized_average_weighs_the_samples_too():
     cfg = {"options": {"period": 8, "pace": "adaptive", "compress": "int8"}, "windows": 4, "step_s": [FAST, SLOW]}
     res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
     _check(res, node_ids, atol=2e-3)
+
+
+def test_the_outer_step_moves_from_the_weighted_average():
+    """DiLoCo's outer Nesterov step (lr 0.7, momentum 0.9) on the samples-weighted average."""
+    node_ids = TOPOLOGIES["2x2"]
+    options = {"period": 8, "pace": "adaptive", "outer_lr": 0.7, "outer_momentum": 0.9}
+    cfg = {"options": options, "windows": 4, "step_s": [FAST, SLOW]}
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    lengths = _check(res, node_ids, outer=(0.7, 0.9))
+    assert lengths == {0: [8, 8, 8, 8], 1: [8, 8, 2, 2]}
 
 
 def test_streaming_overlapped_under_adaptive_pace_stays_consistent():
