@@ -4,7 +4,8 @@ step time, agreed by every rank with the sync's own launch.
 Every cross-node average weights a node by its samples (``state.count_samples(n)`` per step,
 one unit per rank and step by default; a node weighs the sum over its ranks). At each sync,
 every rank writes its samples and its step time into its node's slots of a vector of ``2 N``
-fp32 values (``N`` nodes) and all-reduces it over the world, on a group of its own: launched
+float64 values (``N`` nodes) and all-reduces it on a gloo group of its own (its rail on nodes of
+one size, after the node's sum; the world otherwise): launched
 with the sync, never queued behind the rail's data, and waited for only where the average is
 read (a blocking sync's target, an overlapped sync's correction, in its callback). Nothing
 waits for it at the launch, so an overlapped or streaming sync stays in flight.
@@ -121,8 +122,9 @@ class Tally:
         """Even nodes: ``group`` is this rank's rail (one rank a node: the node's sums go in);
         else the world's (every rank adds its own)."""
         self.node = topology.node_of(rank)
-        self.node_size = len(topology.node_ranks(rank))
-        self._where = f"rank {rank}, node ranks {list(topology.node_ranks(rank))}"  # named in errors
+        node_ranks = list(topology.node_ranks(rank))
+        self.node_size = len(node_ranks)
+        self._where = f"rank {rank}, node ranks {node_ranks}"  # named in errors
         self.period, self.fragments, self.windows = period, fragments, windows
         self.counting = False
         """Whether this rank ever counted (then its steps add no unit of their own)."""
