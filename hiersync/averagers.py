@@ -304,7 +304,8 @@ class RailAverager(ChunkStore):
         w = self.comm.weighting
         # False: healed in this window's quorum, or no samples in it: it sends zeros
         contributes = self.comm.contributes() and (w is None or w.own > 0)
-        weight = 1.0 if w is None or w.own * N == w.expected else w.own * N / w.expected
+        # the sum is divided by ``divisor`` below: own * divisor / S makes it the samples' mean
+        weight = 1.0 if w is None or w.own * divisor == w.expected else w.own * divisor / w.expected
         if work is not None and padded == c.s:  # made in ``work``, overwritten below
             e = work if contributes else work.zero_()
         else:

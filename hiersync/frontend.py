@@ -238,11 +238,6 @@ class SyncState:
         """
         if self.tally is not None:
             self.tally.count(n)
-        elif self.comm.rail.droppable:
-            raise ValueError(
-                "count_samples() is not available with manager= (torchft) in this version: its windows average "
-                "every contributing node alike; drop the call, or run without manager="
-            )
         elif isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 <= n < float("inf"):
             raise ValueError(f"count_samples(n) needs a finite number >= 0 (the step's samples or tokens), got {n!r}")
 
@@ -308,7 +303,7 @@ class SyncState:
         assert model is not None, "synchronize(model) needs the model"
         shards, replicated = self._model_tensors(model)
         if self.tally is not None:  # each node weighed by its samples in the open window
-            self._weigh_open_window(shards, replicated)
+            self._weigh_open_window(shards, replicated, window)
         droppable = window is not None and self.comm.rail.droppable
         targets = [[t.detach().clone() for t in ts] if droppable else ts for ts in (shards, replicated)]
         with record_function("hiersync/synchronize"):
@@ -318,10 +313,21 @@ class SyncState:
             for t, new in zip(shards + replicated, targets[0] + targets[1]):
                 t.copy_(new)
 
-    def _weigh_open_window(self, shards: list[torch.Tensor], replicated: list[torch.Tensor]) -> None:
+    def _weigh_open_window(
+        self, shards: list[torch.Tensor], replicated: list[torch.Tensor], window: Window | None = None
+    ) -> None:
         """Scale this node's tensors so that the plain means of :meth:`_average_model` weigh each node
         by its samples in the open window (nothing when every node has as many, or none has any)."""
         assert self.tally is not None
+        if window is not None and self.comm.rail.droppable:  # torchft: the window's barrier carried them
+            samples = self.tally.open_window(window.rows, window.rank)
+            own, total = (samples[window.rank], sum(samples)) if samples else (0.0, 0.0)
+            counted = [s for s, row in zip(samples, window.rows) if row[0]]  # a node healed here counts none
+            if total == 0 or all(s == own for s in counted):
+                return
+            for t in shards + replicated:  # nodes of one size: both means are over the contributors
+                t.mul_(self.comm.rail_divisor() * own / total)
+            return
         samples = self.tally.open_window()
         own, total = samples[self.tally.node], sum(samples)
         if total == 0 or all(

@@ -63,6 +63,7 @@ from .frontend import SyncState
 from .fsdp import FSDPState, is_fsdp2
 from .futures import HierSyncError
 from .stats import Stats
+from .tally import Tally
 from .topology import Topology, world_timeout
 from .transport import HEARTBEAT_TIMEOUT_S, Marker, TorchftRail, Window, import_torchft
 from .vocab import StepKind
@@ -119,6 +120,19 @@ class ManagerMode(SyncState):
         self._healed = False
         self._exact_window: Window | None = None
         self.engine.open_window = self._engine_quorum
+        if self.config.period > 1:  # samples and step times, carried by each window's barrier
+            intra = self.groups.intra if self.groups.node_size > 1 else None
+            self.tally = Tally(
+                self.topology,
+                self.rank,
+                None,
+                intra,
+                self.stats,
+                period=self.config.period,
+                fragments=self.config.fragments,
+                windows=self.windows,
+            )
+            self.engine.tally = self.tally
         if self.config.algorithm == "flat":
             logger.warning("hiersync: algorithm='flat' runs two-level with manager=... (no group spans the nodes)")
         try:
@@ -197,7 +211,15 @@ class ManagerMode(SyncState):
         # (the survivors' result is their own average). An exact step's gradients are computed after
         # the heal, on the common parameters: they count, as a new replica's would in DDP.
         contributes = not self._healed or self._marker.kind == "exact"
-        window = self.rail.open(self._marker, self._model_device(), contributes)
+        m, device = self._marker, self._model_device()
+        place: int | None = None
+        extra: list[float] = []
+        if self.tally is not None:
+            last = (self.config.fragments - 1,)
+            extra = self.tally.row(m.fragments if m.kind == "sync" else last if m.kind == "synchronize" else (), device)
+            if self.windows is not None and m.kind == "sync":  # nodes' steps differ: a sync's place is its window's
+                place = self.windows.window * self.config.fragments + m.fragments[0]
+        window = self.rail.open(m, device, contributes, place, extra)
         self.stats.quorum_id = window.quorum_id  # type: ignore[attr-defined]
         return window
 
@@ -414,12 +436,6 @@ def register_with_manager(
         raise TypeError(
             "hiersync.register(model, optimizer, manager=...) needs the optimizer: a window's commit decides "
             "whether optimizer.step() applies on exact steps, and syncs run after it"
-        )
-    if options.get("pace", "fixed") == "adaptive":
-        raise ValueError(
-            "pace='adaptive' with manager= is not available in this version: torchft's quorum opens every window "
-            "at the same step on every node, so a node cannot take fewer steps; use pace='fixed' with manager=, "
-            "or pace='adaptive' on a process group"
         )
     if options.get("rack_period") is not None:
         raise ValueError(

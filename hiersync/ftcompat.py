@@ -191,3 +191,10 @@ def members(manager: Any) -> list[int] | None:
     ranks = getattr(process_group(manager), "_global_ranks", None)
     size = max(1, int(getattr(manager, "_group_world_size", 1)))
     return sorted({int(r) // size for r in ranks}) if ranks else None
+
+
+def participating_rank(manager: Any) -> int:
+    """This node's place in the current quorum (its rank on the quorum's group; 0 if torchft does not say)."""
+    rank = getattr(manager, "participating_rank", None)
+    value = rank() if callable(rank) else None
+    return int(value) if value is not None else 0

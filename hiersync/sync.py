@@ -389,7 +389,12 @@ class CrossNodeSync:
         chunks = self.chunks(m.fragments)
         if rail.droppable:
             window.restore += [avg.backup(idx) for _, idx in chunks]
-        weights = self.tally.open(m.step, m.fragments) if self.tally is not None else {}
+        tally, weights = self.tally, {}
+        if tally is not None:
+            if rail.droppable:  # torchft's window: the barrier carried the tally; a drop counts the samples again
+                window.restore.append(tally.backup(m.fragments))
+            rows = window.rows if rail.droppable else None
+            weights = tally.open(m.step, m.fragments, rows=rows, me=window.rank)
         try:
             if m.overlapped:
                 for f, idx in chunks:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,9 @@ class Weighting:
     """``c``: the total every node agreed on before the launch (the default count)."""
     nodes: int
     agreed: Agreed = field(repr=False)
+    contributors: int = 0
+    """Nodes whose values enter the rail's sums (0: all :attr:`nodes`; the manager mode: less the
+    nodes healed in the window, which send zeros)."""
 
     def samples(self) -> list[float]:
         """Every node's samples for this fragment (waits for the tally)."""
@@ -93,8 +96,9 @@ class Weighting:
 
     def scale_own(self, t: torch.Tensor) -> torch.Tensor:
         """This node's contribution to a rail sum, in place: ``t * s_i / c`` (``t / N`` at the default)."""
-        if self.own * self.nodes == self.expected:
-            return t.div_(self.nodes)  # the unweighted average's own division: the same bits
+        n = self.contributors or self.nodes
+        if self.own * n == self.expected:
+            return t.div_(n)  # the unweighted average's own division: the same bits
         return t.mul_(self.own / self.expected)
 
 
@@ -169,14 +173,24 @@ class Tally:
         self._last = time.perf_counter()
 
     # ------------------------------------------------------------- the sync
-    def open(self, step: int, fragments: Sequence[int], close: bool = True) -> dict[int, Weighting]:
+    def open(
+        self,
+        step: int,
+        fragments: Sequence[int],
+        close: bool = True,
+        rows: Sequence[Sequence[float]] | None = None,
+        me: int = 0,
+    ) -> dict[int, Weighting]:
         """Launch the tally of a sync of ``fragments`` after ``step``; the weighting of each fragment.
 
         One all-reduce per fragment (every node syncs every fragment once a window, in fragment
         order, though a slow node syncs several after one step). With ``close``: the counts since
         each fragment's sync start again, and the window closes (adaptive pace) when its last
-        fragment is among them.
+        fragment is among them. ``rows``: the manager mode's window barrier already carried every
+        node's :meth:`row` (``me``: this node's): nothing is launched.
         """
+        if rows is not None:
+            return self._from_rows(step, fragments, close, rows, me)
         topo, N = self.topology, self.topology.num_nodes
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
         out = {}
@@ -212,11 +226,80 @@ class Tally:
             self.step_times = []
         return out
 
-    def open_window(self) -> list[float]:
+    def open_window(self, rows: Sequence[Sequence[float]] | None = None, me: int = 0) -> list[float]:
         """Every node's samples in the open window (since its last fragment's sync), agreed now:
-        blocking and collective (``synchronize()``); nothing is reset."""
+        blocking and collective (``synchronize()``); nothing is reset. ``rows``: as :meth:`open`
+        (empty: the window's barrier failed, and so does the window; no samples are known)."""
         f = self.fragments - 1
-        return self.open(-1, [f], close=False)[f].samples()
+        w = self.open(-1, [f], close=False, rows=rows, me=me).get(f)
+        return w.samples() if w is not None else []
+
+    def backup(self, fragments: Sequence[int]) -> Callable[[], None]:
+        """What puts back the counts a dropped window's launch reset: the samples it would have
+        synced count again at the fragment's next sync (added to those counted since)."""
+        kept = [(f, self.since[f], self.steps_since[f]) for f in fragments]
+
+        def restore() -> None:
+            for f, since, steps in kept:
+                self.since[f] += since
+                self.steps_since[f] += steps
+
+        return restore
+
+    # ------------------------------------------------------------- the manager mode
+    def row(self, fragments: Sequence[int], device: torch.device) -> list[float]:
+        """This node's values for the barrier of a torchft window (:meth:`TorchftRail.open
+        <hiersync.transport.TorchftRail.open>`'s ``extra``): its samples since each fragment of
+        ``fragments`` synced (0 for the others: ``fragments`` values), then its step time. The
+        node's sums over its ranks (blocking, on its own group); every node's row the same length."""
+        values = [self.since[f] if f in fragments else 0.0 for f in range(self.fragments)]
+        values.append(statistics.median(self.step_times) if self.step_times else 0.0)
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        if self.intra is not None:
+            try:
+                wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
+            except Exception as e:
+                raise wrap(e, f"the node's sum of the tally ({self._where})") from e
+            mine[-1] /= self.node_size
+        return mine.tolist()
+
+    def _from_rows(
+        self, step: int, fragments: Sequence[int], close: bool, rows: Sequence[Sequence[float]], me: int
+    ) -> dict[int, Weighting]:
+        """The weighting of each fragment from every node's barrier row ``[contributes, place, *row()]``.
+
+        A node that does not contribute (healed in the window) counts no samples. Every node knows
+        the total at the launch, so each scales its own values by ``s_i / S`` and the sum needs no
+        rescale. The window closes (adaptive pace) on this window's step times: the barrier waited
+        for them anyway.
+        """
+        N, F = len(rows), self.fragments
+        if not rows:  # the barrier failed: the window is dropped on every node; the next keeps this one's length
+            if close:
+                for f in fragments:
+                    self.since[f], self.steps_since[f] = 0.0, 0
+                if self.windows is not None and self.windows.closes(fragments):
+                    self.windows.close(step, self.windows.length, self.windows.grid)
+                self.step_times = []
+            return {}
+        contributors = max(1, round(sum(r[0] for r in rows)))
+        times = [float(r[2 + F]) for r in rows]
+        out = {}
+        for f in fragments:
+            samples = [float(r[2 + f]) if r[0] else 0.0 for r in rows]
+            total = float(sum(samples))
+            out[f] = Weighting(samples[me], total, N, Agreed(None, samples + times), contributors)
+            if not close:
+                continue
+            self.since[f], self.steps_since[f] = 0.0, 0
+            if self.windows is not None and self.windows.closes((f,)):
+                known = [t for t in times if t > 0]  # a node restarted and healed here has timed nothing yet
+                step_s = [t if t > 0 else min(known) for t in times] if known else []
+                self.lengths = steps_per_window(step_s, self.period) if step_s else [self.period] * N
+                self.windows.close(step, self.lengths[me], min(self.lengths))
+        if close:
+            self.step_times = []
+        return out
 
     def _phase(self, what: str, step: int) -> str:
         """``what`` with the step (-1: ``synchronize()``) and the ranks, as the comm names its collectives."""

@@ -127,6 +127,11 @@ class Window:
     commit fewer, so that its next quorum heals it from a peer."""
     committed: bool | None = None
     """None until decided."""
+    rows: list[list[float]] = field(default_factory=list)
+    """Every member's row of the barrier that opened the window, in torchft's order of the quorum:
+    ``[contributes, place, *extra]`` (:meth:`TorchftRail.open`; empty where the barrier failed)."""
+    rank: int = 0
+    """This node's row in :attr:`rows` (its place in torchft's quorum)."""
     futures: list[torch.futures.Future] = field(default_factory=list)
     """What must be complete before the vote (the corrections of an overlapped sync)."""
     restore: list[Callable[[], None]] = field(default_factory=list)
@@ -240,25 +245,27 @@ class GroupRail:
         return None
 
 
-def stale_step(mine: int, steps: Sequence[int]) -> tuple[str, bool] | None:
+def stale_step(mine: int, steps: Sequence[int], unit: str = "step") -> tuple[str, bool] | None:
     """Whether the contributors of one sync window opened it at the same step (``None``: they did).
 
     Otherwise the window is dropped and the step most of them are at goes on (a tie: the later
     step): ``(why, stale)``, ``stale`` on a node at another step, which must not go on with its
-    state (it is a period or more away from the others).
+    state (it is a period or more away from the others). ``unit``: what the numbers count
+    (adaptive pace compares each sync's place among the windows, ``window * fragments + fragment``).
     """
     counts = Counter(steps)
     if len(counts) <= 1:
         return None
     keep = max(counts, key=lambda s: (counts[s], s))
-    seen = ", ".join(f"{n} at step {s}" for s, n in sorted(counts.items()))
+    seen = ", ".join(f"{n} at {unit} {s}" for s, n in sorted(counts.items()))
+    at = (lambda s: f"after step {s}") if unit == "step" else (lambda s: f"at {unit} {s}")
     if mine != keep:
         why = (
-            f"this node opened the sync after step {mine} while its peers opened theirs after step {keep} "
+            f"this node opened the sync {at(mine)} while its peers opened theirs {at(keep)} "
             f"(contributors: {seen}): it fell a period or more behind (a rail timeout its peers did not wait out?)"
         )
         return why, True
-    return f"the sync after step {mine} was opened at other steps by some peers ({seen}): dropped", False
+    return f"the sync {at(mine)} was opened at other {unit}s by some peers ({seen}): dropped", False
 
 
 class TorchftRail:
@@ -429,12 +436,23 @@ class TorchftRail:
             "between two syncs?"
         ) from e
 
-    def open(self, marker: Marker, device: torch.device, contributes: bool = True) -> Window:
+    def open(
+        self,
+        marker: Marker,
+        device: torch.device,
+        contributes: bool = True,
+        place: int | None = None,
+        extra: Sequence[float] = (),
+    ) -> Window:
         """The window of the quorum just held (:meth:`quorum`); its members wait for each other once.
 
         ``contributes``: False on a node healed in this quorum for a window that averages
         state (a sync, ``synchronize()``): it brings no state of its own, so its values are
         zeros and every average of the window is divided by the nodes that do contribute.
+        ``place``: where a sync sits in the schedule, equal on every node that opens the same
+        sync (default the step; adaptive pace: the window and fragment, as nodes' steps differ).
+        ``extra``: values this node adds to the barrier's row (the tally's samples and step time),
+        every member's in :attr:`Window.rows`: the same length on every node.
         """
         manager = self.manager
         participants = max(1, int(manager.num_participants()))
@@ -445,8 +463,11 @@ class TorchftRail:
         # checks that they all opened the same sync: a node that lost a rail timeout in a window its
         # peers left at once is a period behind them while torchft's step (the same committed
         # windows) cannot tell; averaging its step s with their s + k would mix two places.
-        row = torch.tensor([1.0 if contributes else 0.0, float(marker.step)], dtype=torch.float64, device=device)
-        rows = torch.zeros(participants * 2, dtype=torch.float64, device=device)
+        at = marker.step if place is None else place
+        values = [1.0 if contributes else 0.0, float(at), *map(float, extra)]
+        width = len(values)
+        row = torch.tensor(values, dtype=torch.float64, device=device)
+        rows = torch.zeros(participants * width, dtype=torch.float64, device=device)
         failed = manager.errored()
         if failed is not None:  # torchft's configuration of this quorum's group or a heal failed (within contact)
             self._fail(window, getattr(failed, "original_exception", failed), "torchft's quorum")
@@ -455,10 +476,13 @@ class TorchftRail:
         if window.error:  # a failed barrier leaves garbage; its window never commits, so its divisor is moot
             window.contributors = participants
             return window
-        flags, steps = rows.view(participants, 2).T.tolist()  # one host read per window
+        window.rows = rows.view(participants, width).tolist()  # one host read per window
+        window.rank = ftcompat.participating_rank(manager)
+        flags, steps = [r[0] for r in window.rows], [r[1] for r in window.rows]
         window.contributors = max(1, round(sum(flags)))
         if marker.kind == "sync" and contributes:
-            verdict = stale_step(int(marker.step), [int(s) for f, s in zip(flags, steps) if f])
+            unit = "step" if place is None else "window place"
+            verdict = stale_step(int(at), [int(s) for f, s in zip(flags, steps) if f], unit)
             if verdict is not None:
                 why, stale = verdict
                 self._fail(window, RuntimeError(why), "the rail barrier after the quorum")

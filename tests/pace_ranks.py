@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import time
 
 import torch
@@ -33,7 +34,8 @@ def counted(rank: int, step: int) -> float:
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in module.parameters()]  # FSDP2: gathered
+    return torch.cat([p.detach().reshape(-1) for p in full])
 
 
 def run(cfg: dict) -> dict:
@@ -70,6 +72,58 @@ def run(cfg: dict) -> dict:
         "pid": os.getpid(),
     }
     state.close()
+    return out
+
+
+def run_manager(cfg: dict) -> dict:
+    """:func:`run` with ``manager=``: each node its own world and torchft Manager (tests/test_ft.py's
+    harness); a rank's batches are those of its place ``node * L + local`` in the reference."""
+    from hiersync.tools import ft_nodes
+
+    node, local, L = ft_nodes.node_index(), dist.get_rank(), dist.get_world_size()
+    rank = node * L + local
+    if cfg.get("fsdp"):  # FSDP2 over the node: each rank holds its own shards
+        from torch.distributed.fsdp import fully_shard
+
+        model, mesh = net(), hiersync.node_mesh()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(net())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    mgr = ft_nodes.manager(
+        timeout_s=10.0,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])),
+        state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+    )
+    state = hiersync.register(model, opt, manager=mgr, start_nodes=cfg["nodes"], **cfg["options"])
+    seen, first = {state.window: state.step}, state.step  # a joiner resumes at its heal source's step
+    kill = cfg.get("kill", {})
+    while state.window < cfg["windows"]:
+        if kill.get("node") == node and state.window == kill["window"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ft_nodes.progress(state.window)
+        time.sleep(cfg["step_s"][node])
+        step = state.step
+        x, y = batch(rank, step)
+        if cfg.get("count"):
+            state.count_samples(counted(rank, step))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.setdefault(state.window, state.step)
+    if cfg.get("synchronize"):
+        state.synchronize(model)
+    out = {
+        "node": node,
+        "lengths": [seen[w + 1] - seen[w] for w in sorted(seen) if w + 1 in seen],
+        "params": flat(model).tolist(),
+        "failed": state.stats.failed_syncs,
+        "heals": state.stats.heals,
+        "first": first,
+    }
+    mgr.shutdown(wait=False)
     return out
 
 

@@ -199,3 +199,48 @@ def test_chaos_run_of_two_minutes(tmp_path):
     assert a["reference_sync_spread"] < 1e-5, text  # every node holds the same model after a sync
     assert a["nothing_lost"] is True, text
     assert a["goodput"] >= 0.8, text
+
+
+def test_a_slow_node_lowers_the_ideal_not_the_goodput():
+    """A node at 1/2 speed for 4 of the run's 3.8 s x 3 node-seconds could do 2 s of them: goodput is
+    against that ideal (the run without faults' rate at each node's speed)."""
+    from hiersync.tools.chaos_analysis import ideal_node_seconds
+
+    run = _run(3, 12)
+    plain = _analyze(run)["goodput"]
+    run.events += [Event(0.5, "slow", 1, 0, "2"), Event(2.5, "unslow", 1)]
+    run.faults.append({"t": 0.5, "kind": "slow", "nodes": [1]})
+    total = 3 * (run.ended - run.started)
+    assert ideal_node_seconds(run, 3) == pytest.approx(total - 2.0 * 0.5)
+    a = _analyze(run)
+    assert a["goodput"] == pytest.approx(plain * total / (total - 1.0))
+    assert a["fault_kinds"]["slow"] == 1 and "node-seconds at full speed" in report(a, ChaosConfig(nodes=3))
+
+
+def _paced(steps_per_window: list[int], windows: int, bad: tuple[int, int] | None = None) -> RunRecord:
+    """Nodes under adaptive pace: node n takes ``steps_per_window[n]`` steps a window, records
+    name the window (``w``) and mark its last step (``sync``); ``bad=(node, window)``: that node's
+    sum after that sync is off."""
+    records = {}
+    for n, k in enumerate(steps_per_window):
+        recs = [(0.0, -1, {"event": "up"}), (0.1, -1, {"event": "joined", "heal_s": "0.1", "heal_bytes": "1"})]
+        for s in range(k * windows):
+            w, end = s // k + (s % k == k - 1), s % k == k - 1
+            f = {"n": str(len(steps_per_window)), "q": "1", "failed": "0", "canary": "0", "nan": "0"}
+            f.update(w=str(w), sync=str(int(end)))
+            f["sum"] = f"{float(w) + (0.5 if bad == (n, w) and end else 0.0):.12e}" if end else f"{n + 0.1 * s:.12e}"
+            recs.append((0.2 + 0.3 * (s + 1) * 8 / k, s, f))
+        recs.append((0.3 + 0.3 * 8 * windows, k * windows, {"event": "done"}))
+        records[n] = recs
+    end = 0.3 + 0.3 * 8 * windows
+    return RunRecord(8 * windows, 0.0, end, 0, records, [], {n: {"val_loss": 0.5} for n in records}, [])
+
+
+def test_adaptive_pace_syncs_are_matched_by_window_not_step():
+    """Node 1 takes 2 steps a window to node 0's 8: their syncs are at different steps and the
+    same windows; a sum that differs after one of them is a violation naming that window."""
+    good = _paced([8, 2], 3)
+    a = analyze(good, good, 8, 2)
+    assert a["violations"] == [] and a["syncs_checked"] == 3
+    bad = _paced([8, 2], 3, bad=(1, 2))
+    assert any(v.startswith("window 2 quorum 1") for v in analyze(bad, good, 8, 2)["violations"])

@@ -134,3 +134,78 @@ def test_adaptive_pace_refuses_what_it_cannot_pace():
         HierConfig(period=1, pace="adaptive")
     with pytest.raises(ValueError, match="pace must be one of"):
         HierConfig(period=4, pace="fast")
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("2x1", {}),
+        ("2x2", {"count": True}),
+        ("2x1", {"compress": "int8"}),
+        ("2x2", {"fsdp": True, "count": True}),
+        ("2x1", {"fragments": 4, "overlap": 1, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    ],
+)
+def test_adaptive_pace_on_torchft_weighs_the_samples_its_barrier_carried(name, options):
+    """manager=: each window's barrier carries every node's samples and step time, so the slow node
+    takes the steps that fit from the second window on (the first window's times pace it) and the
+    average weighs the samples, against the same reference as the process-group rail."""
+    pytest.importorskip("torchft")
+    from hiersync.tools.ft_nodes import Lighthouse, Nodes
+
+    node_ids = TOPOLOGIES[name]
+    L = node_ids.count(0)
+    opts = {"period": 8, "pace": "adaptive", **{k: v for k, v in options.items() if k not in ("count", "fsdp")}}
+    cfg = {"options": opts, "windows": 4, "step_s": [FAST, SLOW], "nodes": 2, "count": options.get("count")}
+    cfg.update(fsdp=options.get("fsdp"), synchronize="fragments" in options)
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=L) as nodes:
+        for n in range(2):
+            nodes.start(n, pace_ranks.run_manager, (cfg,))
+        out = nodes.wait([0, 1], timeout=120)
+    res = [r for n in range(2) for r in out[n]]
+    assert all(r["failed"] == 0 for r in res)
+    if "fragments" in options:  # streaming with the outer step: no hand reference; equal after synchronize()
+        first = torch.tensor(res[0]["params"])
+        assert torch.isfinite(first).all()
+        for r in res[1:]:
+            torch.testing.assert_close(torch.tensor(r["params"]), first, rtol=0, atol=0)
+        _paced_from_the_second_window({r["node"]: r["lengths"] for r in res})
+        return
+    outer = (0.7, 0.9) if "outer_lr" in options else None
+    atol = 2e-3 if "compress" in options else 1e-6
+    lengths = _check(res, node_ids, count=bool(options.get("count")), atol=atol, outer=outer)
+    _paced_from_the_second_window(lengths)
+
+
+def _paced_from_the_second_window(lengths: dict[int, list[int]]) -> None:
+    """Node 0 takes 8 a window; node 1 8 in the first, then 2 (3 where node 0's own step, on ranks that
+    share the box's 2 cores, takes well over its sleep)."""
+    assert lengths[0] == [8, 8, 8, 8] and lengths[1][0] == 8, lengths
+    assert all(n in (2, 3) for n in lengths[1][1:]), lengths
+
+
+def test_adaptive_pace_on_torchft_a_slow_node_killed_and_restarted_is_healed_and_paced_again():
+    """3 nodes of one rank, node 1 four times slower, killed in its third window and started again:
+    the survivors go on paced among themselves, the restarted node is healed from a live peer at
+    their window, is paced again from its own step times, and every node ends equal."""
+    pytest.importorskip("torchft")
+    from hiersync.tools.ft_nodes import Lighthouse, Nodes
+
+    step_s = [0.03, 0.12, 0.03]
+    cfg = {"options": {"period": 8, "pace": "adaptive"}, "windows": 24, "step_s": step_s, "nodes": 3}
+    cfg.update(synchronize=True, kill={"node": 1, "window": 2})
+    with Lighthouse(min_replicas=1) as lh, Nodes(lh.address, procs_per_node=1) as nodes:
+        for n in range(3):
+            nodes.start(n, pace_ranks.run_manager, (cfg,))
+        nodes.wait_step(0, 6, timeout=90)
+        nodes.start(1, pace_ranks.run_manager, (dict(cfg, kill={}, nodes=1),))
+        out = nodes.wait([0, 1, 2], timeout=180)
+    joiner = out[1][0]
+    assert joiner["heals"] >= 1 and joiner["first"] > 0
+    final = torch.tensor(out[0][0]["params"])
+    assert torch.isfinite(final).all()
+    for n in (1, 2):
+        torch.testing.assert_close(torch.tensor(out[n][0]["params"]), final, rtol=0, atol=0, msg=f"node {n}")
+    survivors = [out[n][0]["lengths"] for n in (0, 2)]
+    assert all(max(w) == 8 for w in survivors), survivors
+    assert joiner["lengths"][-3:] == [2, 2, 2], joiner["lengths"]  # paced again from its own step times

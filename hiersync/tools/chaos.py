@@ -18,7 +18,12 @@ seconds, its kind and victim drawn from ``--seed``:
 * ``two``: two nodes killed at once, both restarted;
 * ``partition``: every packet a node sends is dropped (a firewall rule on its ranks' group
   id, so root and ``iptables`` only) for three heartbeat timeouts, then the rule is removed:
-  the others drop it, and it is healed at its next quorum. ``--lighthouse-restart-at S``
+  the others drop it, and it is healed at its next quorum;
+* ``slow`` (only when named in ``--faults``): a node's accelerator-like compute runs 2, 3 or 4
+  times as long for 60 s, then at full speed again (a throttled GPU, a noisy neighbour); with
+  ``--pace adaptive`` it takes the steps that fit in its peers' windows. Goodput is then
+  against the ideal: the run without faults' rate at each node's own speed.
+  ``--lighthouse-restart-at S``
   also kills the Lighthouse S seconds into the run and starts it again at the same address a
   few seconds later.
 
@@ -49,6 +54,8 @@ from typing import Any
 
 from .chaos_analysis import (
     FAULTS,
+    KINDS,
+    SLOW_S,
     Event,
     RunRecord,
     _incarnations,
@@ -110,6 +117,8 @@ class ChaosConfig:
     """The Manager's ``quorum_timeout`` (docs/cluster.md's 15 minutes): how long a node waits for a
     quorum before it stops with an error."""
     faults: tuple[str, ...] = FAULTS
+    pace: str = "fixed"
+    """hiersync's ``pace`` (``"adaptive"``: each node takes the steps its speed fits in a window)."""
     seed: int = 0
     lighthouse_restart_at: float | None = None
     """Seconds into the run with faults at which the Lighthouse is killed (restarted 3 s later)."""
@@ -127,7 +136,7 @@ def _worker_cfg(cfg: ChaosConfig, folder: str, steps: int, eval_syncs: bool = Fa
         "frontend": cfg.frontend,
         "timeout_s": cfg.timeout_s,
         "quorum_timeout_s": cfg.quorum_timeout_s,
-        "options": {"period": cfg.period, "heartbeat_timeout": cfg.heartbeat_timeout_ms / 1000},
+        "options": {"period": cfg.period, "heartbeat_timeout": cfg.heartbeat_timeout_ms / 1000, "pace": cfg.pace},
     }
 
 
@@ -144,6 +153,7 @@ class _Driver:
         self.source_hunt: tuple[float, int] | None = None  # (until, fault) waiting for a heal's source
         self.down: set[int] = set()  # killed or frozen, not yet back
         self.partitioned: dict[int, float] = {}  # node -> when its rule comes off
+        self.slowed: dict[int, float] = {}  # node -> when it runs at full speed again
         self._read_to: dict[int, int] = {}  # bytes of each node's progress file read so far
         self._reached: dict[int, int] = {}  # the highest step each node reported
         step_s = (cfg.fwd_ms + cfg.bwd_ms) / 1000
@@ -168,6 +178,7 @@ class _Driver:
         finally:
             for n in list(self.partitioned):  # never leave a rule behind
                 _iptables("-D", GID_BASE + n)
+            self.slowed.clear()
 
     def _run(self, nodes: Any) -> RunRecord:
         from . import chaos_worker
@@ -234,10 +245,21 @@ class _Driver:
             self.events.append(Event(time.time(), "note", -1, index, "skipped: too few nodes up"))
             return
         kind = self.rng.choice(kinds)
+        if kind == "slow":
+            alive = [n for n in alive if n not in self.slowed] or alive
         victims = self.rng.sample(alive, 2 if kind == "two" else 1)
         t = time.time()
         self.faults.append({"index": index, "t": t, "kind": kind, "nodes": victims})
         logger.info("chaos: fault %d at %.1f s: %s %s", index, t - self.started, kind, victims)
+        if kind == "slow":
+            from .chaos_worker import SLOW
+
+            (n,) = victims
+            factor = self.rng.choice((2, 3, 4))
+            (Path(self.nodes.root) / SLOW.format(node=n)).write_text(str(factor))
+            self.slowed[n] = t + SLOW_S
+            self.events.append(Event(t, "slow", n, index, str(factor)))
+            return
         if kind == "freeze":
             (n,) = victims
             self.nodes.freeze(n)
@@ -285,6 +307,13 @@ class _Driver:
                 del self.partitioned[n]
                 self.down.discard(n)
                 self.events.append(Event(now, "heal-partition", n))
+        for n, when in list(self.slowed.items()):
+            if now >= when:
+                from .chaos_worker import SLOW
+
+                (Path(self.nodes.root) / SLOW.format(node=n)).unlink(missing_ok=True)
+                del self.slowed[n]
+                self.events.append(Event(now, "unslow", n))
         for when, n in list(self.thaws):
             if now >= when:
                 self.nodes._signal(n, signal.SIGCONT)
@@ -357,6 +386,10 @@ class _Driver:
         return min((self._reached.get(n, 0) for n in range(self.cfg.nodes)), default=0)
 
 
+_SPANS = (("freeze", "thaw", "frozen"), ("partition", "heal-partition", "partitioned"), ("slow", "unslow", "slow"))
+"""The events that open and close a node's state in the plot, and its colour's name."""
+
+
 def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
     """Each node's state over time: dead, starting/healing, contributing, frozen."""
     import matplotlib
@@ -371,6 +404,7 @@ def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
         "starting/healing": "tab:orange",
         "frozen": "tab:blue",
         "partitioned": "tab:purple",
+        "slow": "tab:olive",
         "dead": "tab:red",
     }
     for n, recs in faulted.records.items():
@@ -385,7 +419,7 @@ def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
         if e.kind == "kill":
             back = next((x.t for x in faulted.events if x.kind == "restart" and x.node == e.node and x.t > e.t), None)
             ax.broken_barh([(e.t - t0, (back or faulted.ended) - e.t)], (e.node - 0.4, 0.8), color=colors["dead"])
-        for opened, closed, color in (("freeze", "thaw", "frozen"), ("partition", "heal-partition", "partitioned")):
+        for opened, closed, color in _SPANS:
             if e.kind == opened:
                 back = next((x.t for x in faulted.events if x.kind == closed and x.node == e.node and x.t > e.t), None)
                 ax.broken_barh([(e.t - t0, (back or faulted.ended) - e.t)], (e.node - 0.4, 0.8), color=colors[color])
@@ -396,7 +430,7 @@ def plot(faulted: RunRecord, cfg: ChaosConfig, path: Path) -> None:
     ax.set_xlabel("seconds")
     ax.set_title(f"chaos run: a fault every {cfg.fault_every:.0f} s (seed {cfg.seed})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles=handles, labels=list(colors), ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.legend(handles=handles, labels=list(colors), ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -451,7 +485,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=2.0, help="length of the run without faults")
     parser.add_argument("--fault-every", type=float, default=d.fault_every, help="seconds between two faults")
     parser.add_argument("--restart-after", type=float, default=d.restart_after, help="a killed node restarts this late")
-    parser.add_argument("--faults", default=",".join(FAULTS), help=f"kinds to draw from: {','.join(FAULTS)}")
+    kinds = f"kinds to draw from: {','.join(KINDS)} (slow: only when named)"
+    parser.add_argument("--faults", default=",".join(FAULTS), help=kinds)
+    pace = "hiersync's pace: adaptive has each node take the steps its speed fits in a window (with the slow fault)"
+    parser.add_argument("--pace", choices=("fixed", "adaptive"), default=d.pace, help=pace)
     parser.add_argument("--period", type=int, default=d.period, help="hiersync period k")
     parser.add_argument("--step-ms", type=float, default=d.fwd_ms + d.bwd_ms, help="accelerator-like compute per step")
     hb = "the Lighthouse's heartbeat timeout, also hiersync's heartbeat_timeout (the bound of a window's contact)"
@@ -476,9 +513,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    bad = [k for k in faults if k not in FAULTS]
+    bad = [k for k in faults if k not in KINDS]
     if bad or not faults:
-        raise ValueError(f"--faults {args.faults!r}: use some of {','.join(FAULTS)}")
+        raise ValueError(f"--faults {args.faults!r}: use some of {','.join(KINDS)}")
     seeds = [int(x) for x in str(args.seed).split(",") if x.strip()]
     if not seeds:
         raise ValueError(f"--seed {args.seed!r}: give an int, or several separated by commas")
@@ -499,6 +536,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.rail_timeout,
         quorum_timeout_s=args.quorum_timeout,
         faults=faults,
+        pace=args.pace,
         seed=seeds[0],
         lighthouse_restart_at=args.lighthouse_restart_at,
     )

@@ -43,6 +43,10 @@ __all__ = [
 ]
 
 FAULTS = ("kill", "kill-rank", "freeze", "kill-source", "two", "partition")
+"""The kinds a run draws from by default."""
+KINDS = (*FAULTS, "slow")
+"""Every kind: ``slow`` (a node's compute 2-4x slower for :data:`SLOW_S`) is asked for by name."""
+SLOW_S = 60.0
 NOTHING_LOST = 0.01
 """The goal: a run with faults ends at most 1% above the run without faults at the same useful work."""
 
@@ -86,6 +90,33 @@ def _steps(inc: list[tuple[float, int, dict[str, str]]]) -> list[tuple[float, in
     return [r for r in inc if "event" not in r[2]]
 
 
+def _is_sync(s: int, f: dict[str, str], period: int) -> bool:
+    """Whether a step's record ends a window: as the record says (``sync=1``; every node's own
+    windows under adaptive pace), else by the fixed schedule."""
+    return f["sync"] == "1" if "sync" in f else (s + 1) % period == 0
+
+
+def _window(s: int, f: dict[str, str]) -> tuple[str, int]:
+    """The sync a record's step ended, named alike on every node: its window under adaptive pace
+    (each node's steps differ), else its step."""
+    return ("window", int(f["w"])) if "w" in f else ("step", s)
+
+
+def ideal_node_seconds(faulted: RunRecord, nodes: int) -> float:
+    """Node-seconds of the run at full speed: a node slowed by ``x`` for ``d`` s could do ``d / x`` s of it."""
+    total = nodes * (faulted.ended - faulted.started)
+    opened: dict[int, tuple[float, float]] = {}
+    for e in sorted(faulted.events, key=lambda e: e.t):
+        if e.kind == "slow":
+            opened[e.node] = (e.t, float(e.detail))
+        elif e.kind == "unslow" and e.node in opened:
+            t0, x = opened.pop(e.node)
+            total -= (e.t - t0) * (1 - 1 / x)
+    for t0, x in opened.values():
+        total -= (faulted.ended - t0) * (1 - 1 / x)
+    return total
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -101,21 +132,31 @@ def reference_curve(reference: RunRecord, period: int) -> tuple[list[tuple[float
     a sync step ``s`` is ``s + 1`` steps per node; a point is the nodes' mean (they hold the
     same model after a committed sync: the spread says how far from that they were). The last
     point is the final loss, after ``synchronize()``, at ``reference.steps``."""
-    at: dict[int, list[float]] = {}
+    at: dict[tuple[str, int], list[tuple[int, float]]] = {}  # a sync: (steps, loss) of each node
     for records in reference.records.values():
         for inc in _incarnations(records):
             last_failed = 0
             for _, s, f in _steps(inc):
                 failed = int(f.get("failed", 0))
-                if (s + 1) % period == 0 and failed == last_failed and "val" in f:
-                    at.setdefault(s + 1, []).append(float(f["val"]))
+                if _is_sync(s, f, period) and failed == last_failed and "val" in f:
+                    at.setdefault(_window(s, f), []).append((s + 1, float(f["val"])))
                 last_failed = failed
     final = [r["val_loss"] for r in reference.results.values() if r]
-    if final:
-        at.setdefault(reference.steps, []).clear()
-        at[reference.steps].extend(final)
-    spread = max((max(v) - min(v)) / max(abs(statistics.mean(v)), 1e-12) for v in at.values()) if at else 0.0
-    return [(float(k), statistics.mean(v)) for k, v in sorted(at.items())], spread
+    losses = [[v for _, v in m] for m in at.values()] + ([final] if final else [])
+    spread = max((max(v) - min(v)) / max(abs(statistics.mean(v)), 1e-12) for v in losses) if losses else 0.0
+    points = sorted((statistics.mean(n for n, _ in m), statistics.mean(v for _, v in m)) for m in at.values())
+    if final:  # the last point: after synchronize(), at the steps each node trained (it replaces a sync there)
+        end = reference_node_steps(reference) / max(1, len(reference.records))
+        points = [p for p in points if p[0] < end] + [(end, statistics.mean(final))]
+    return [(float(n), v) for n, v in points], spread
+
+
+def reference_node_steps(reference: RunRecord) -> int:
+    """The steps every node of the run without faults trained (each its own under adaptive pace)."""
+    done = [r.get("steps") for r in reference.results.values() if r]
+    if done and all(isinstance(n, int) for n in done):
+        return int(sum(done))
+    return len(reference.records) * reference.steps
 
 
 def loss_at(curve: list[tuple[float, float]], work: float) -> float | None:
@@ -135,7 +176,8 @@ def _relative(value: float | None, reference: float | None) -> float | None:
 def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -> dict[str, Any]:
     """Invariants and figures of a chaos run against its run without faults (pure: records in, dict out)."""
     violations: list[str] = []
-    sync_groups: dict[tuple[int, str], list[tuple[int, float, int, float]]] = {}  # (node, sum, participants, t)
+    # (node, sum, participants, t) of each sync, by (the sync, its quorum)
+    sync_groups: dict[tuple[tuple[str, int], str], list[tuple[int, float, int, float]]] = {}
     useful = 0
     firsts: list[dict[str, Any]] = []
     windows_dropped = 0
@@ -149,9 +191,9 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
                 heal_s.append(float(joined[2].get("heal_s", "nan")))
                 heal_bytes.append(float(joined[2].get("heal_bytes", "nan")))
                 h, f = joined[1], joined[2]
-                if h >= 0 and (h + 1) % period == 0 and f.get("failed", "0") == "0" and "sum" in f:
+                if h >= 0 and _is_sync(h, f, period) and f.get("failed", "0") == "0" and "sum" in f:
                     # healed into that sync: a member of its window, with nothing of its own in it
-                    group = sync_groups.setdefault((h, f.get("q", "?")), [])
+                    group = sync_groups.setdefault((_window(h, f), f.get("q", "?")), [])
                     group.append((n, float(f["sum"]), int(f.get("n", 0)), joined[0]))
             last_failed = 0
             committed_sync_steps = []
@@ -161,9 +203,9 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
                 if f.get("canary", "0") != "0":
                     violations.append(f"node {n} step {s}: canary off by {f['canary']} steps")
                 failed = int(f.get("failed", 0))
-                if (s + 1) % period == 0:
+                if _is_sync(s, f, period):
                     if failed == last_failed:
-                        group = sync_groups.setdefault((s, f.get("q", "?")), [])
+                        group = sync_groups.setdefault((_window(s, f), f.get("q", "?")), [])
                         group.append((n, float(f["sum"]), int(f.get("n", 0)), t))
                         committed_sync_steps.append(s)
                     else:
@@ -188,23 +230,27 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
                         "incarnation": k + 1,
                         "started": begun,
                         "first_step": steps[0][1],
-                        "healed_into": (joined[1], joined[2].get("q", "?"), float(joined[2].get("sum", "nan")))
+                        "healed_into": (
+                            _window(joined[1], joined[2]),
+                            joined[2].get("q", "?"),
+                            float(joined[2].get("sum", "nan")),
+                        )
                         if joined is not None
                         else None,
                         "first_contributing_sync_s": contributing[0][0] - begun if contributing else None,
                     }
                 )
     faults_at = [e.t for e in faulted.events if e.kind in ("kill", "freeze", "partition", "error")]
-    for (s, q), members in sorted(sync_groups.items()):
+    for ((unit, s), q), members in sorted(sync_groups.items()):
         sums = [v for _, v, _, _ in members]
         if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
-            violations.append(f"step {s} quorum {q}: nodes {[m[0] for m in members]} differ after the sync: {sums}")
+            violations.append(f"{unit} {s} quorum {q}: nodes {[m[0] for m in members]} differ after the sync: {sums}")
         expected = max(m[2] for m in members)
         t = members[0][3]
         # every node of a committed sync recorded it, unless a fault took one away right then
         if len(members) < expected and not any(t - 3.0 <= x <= t + 3.0 for x in faults_at):
             who = [m[0] for m in members]
-            violations.append(f"step {s} quorum {q}: {expected} nodes synced, only nodes {who} recorded it")
+            violations.append(f"{unit} {s} quorum {q}: {expected} nodes synced, only nodes {who} recorded it")
     # a joiner healed in its first quorum holds its peers' step and parameters from its first step on
     healed_at_once = 0
     for fr in firsts:
@@ -215,8 +261,9 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
             healed_at_once += 1
     ref_time = reference.ended - reference.started
     run_time = faulted.ended - faulted.started
-    ref_rate = nodes * reference.steps / ref_time
-    goodput = useful / run_time / ref_rate
+    ref_rate = reference_node_steps(reference) / ref_time  # node-steps per second
+    ideal = ideal_node_seconds(faulted, nodes)  # the run's node-seconds, less what slow nodes could not do
+    goodput = useful / (ideal * ref_rate / nodes)
     typical = statistics.median(
         b[0] - a[0] for recs in reference.records.values() for a, b in zip(_steps(recs), _steps(recs)[1:])
     )
@@ -249,12 +296,13 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
     vs_matched = _relative(val_loss, matched)
     return {
         "goodput": goodput,
+        "ideal_node_seconds": ideal,
         "useful_node_steps": useful,
         "seconds": run_time,
         "reference_seconds": ref_time,
         "typical_step_s": typical,
         "faults": len(faulted.faults),
-        "fault_kinds": {k: sum(f["kind"] == k for f in faulted.faults) for k in FAULTS},
+        "fault_kinds": {k: sum(f["kind"] == k for f in faulted.faults) for k in KINDS},
         "stall_s": {"p50": _pct(stalls, 0.5), "p95": _pct(stalls, 0.95)},
         "stall_per_fault": per_fault,
         "restart_to_contributing_sync_s": {
@@ -273,6 +321,7 @@ def analyze(faulted: RunRecord, reference: RunRecord, period: int, nodes: int) -
         "reference_val_loss": reference_val_loss,
         "val_loss_vs_reference": _relative(val_loss, reference_val_loss),
         "useful_steps_per_node": useful / nodes,
+        "slowed": sum(f["kind"] == "slow" for f in faulted.faults),
         "reference_steps": reference.steps,
         "reference_curve_points": len(curve),
         "reference_sync_spread": spread,
@@ -290,12 +339,19 @@ def report(a: dict[str, Any], cfg: ChaosConfig) -> str:
 
     kinds = ", ".join(f"{k} {v}" for k, v in a["fault_kinds"].items() if v)
     lines = [
-        f"chaos: {cfg.nodes} nodes x {cfg.procs_per_node} ranks ({cfg.frontend}), period {cfg.period}, accelerator-"
+        f"chaos: {cfg.nodes} nodes x {cfg.procs_per_node} ranks ({cfg.frontend}), period {cfg.period}, "
+        f"{cfg.pace} pace, accelerator-"
         f"like steps of {cfg.fwd_ms + cfg.bwd_ms:.0f} ms, a fault every {cfg.fault_every:.0f} s, seed {cfg.seed}",
         f"  settings            {settings(cfg)}",
         f"  faults              {a['faults']} ({kinds or 'none'})",
         f"  goodput             {a['goodput']:.3f} of the run without faults ({a['useful_node_steps']} useful "
-        f"node-steps in {a['seconds']:.0f} s; without faults {a['reference_seconds']:.0f} s)",
+        f"node-steps in {a['seconds']:.0f} s; without faults {a['reference_seconds']:.0f} s"
+        + (
+            f"; its rate taken at each node's speed: {a['ideal_node_seconds']:.0f} node-seconds at full speed of "
+            f"{cfg.nodes * a['seconds']:.0f})"
+            if a.get("slowed")
+            else ")"
+        ),
         f"  stall per fault     p50 {s(a['stall_s']['p50'])} s, p95 {s(a['stall_s']['p95'])} s "
         f"(longest step of a survivor, less the typical {a['typical_step_s']:.2f} s)",
         f"  restart -> first contributing sync  p50 {s(a['restart_to_contributing_sync_s']['p50'])} s, "

@@ -36,6 +36,9 @@ __all__ = ["train", "build", "val_loss", "val_loss_of"]
 
 SENDING = "sending-{node}"
 """A file a node creates in the run's folder when torchft asks it for its state (it heals a peer)."""
+SLOW = "slow-{node}"
+"""While this file is in the run's folder, the node's accelerator-like compute takes the factor it
+holds times as long (the chaos run's ``slow`` fault): the extra time is slept before backward."""
 SLOW_SEND = "slow-send"
 """While this file is in the run's folder, a node asked for its state takes a second to hand it
 over, as a large model's state takes seconds to send: time enough to kill it while it sends."""
@@ -98,6 +101,13 @@ def _checksum(model: nn.Module) -> float:
         return float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64).sin()).sum())
 
 
+def _ended_window(state: Any, step: int) -> bool:
+    """Whether the sync after step ``step - 1`` ended a window (a joiner healed into that sync)."""
+    if state.windows is not None:
+        return bool(state.windows.start == step)
+    return state.schedule.kind(step - 1) == "sync"
+
+
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train ``cfg["steps"]`` steps on the manager mode; the result: validation loss and counters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -145,10 +155,16 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     first = state.step
     period = int(cfg["options"].get("period", 1))
+    adaptive = cfg["options"].get("pace") == "adaptive"
+    windows = max(1, cfg["steps"] // period)  # adaptive pace: the run ends at a window, as its nodes' steps differ
+    slow = os.path.join(cfg["dir"], SLOW.format(node=node))
+    step_s = (cfg["fwd_ms"] + cfg["bwd_ms"]) / 1000
     st: Any = state.stats  # the window it was healed in (or the start): its peers' step and parameters
     ft_nodes.progress(
         first - 1,
         event="joined",
+        sync=int(first > 0 and _ended_window(state, first)),
+        **({"w": state.window} if adaptive else {}),
         heal_s=f"{heal_s:.3f}",
         heal_bytes=heal_bytes,
         n=st.sync_participants,
@@ -156,11 +172,18 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         failed=st.failed_syncs,
         sum=f"{_checksum(model):.12e}",
     )
-    while state.step < cfg["steps"]:
+    while (state.window < windows) if adaptive else (state.step < cfg["steps"]):
         x, y = batch(node, rank, state.step)
         loss = nn.functional.mse_loss(wrapped(x), y)
+        if os.path.exists(slow):  # the slow fault: this node's accelerator takes factor x as long
+            try:
+                with open(slow) as f:
+                    time.sleep(step_s * (float(f.read() or 1) - 1))
+            except (OSError, ValueError):  # removed while read: full speed again
+                pass
         loss.backward()
         canary.add_(1)  # before optimizer.step(): a sync (and a peer's heal) runs inside it
+        window = state.window
         opt.step()
         opt.zero_grad()
         stats: Any = state.stats
@@ -175,8 +198,11 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             "sum": f"{_checksum(model):.12e}",
             "canary": int(canary) - state.step,
             "nan": int(nan),
+            "sync": int(state.window != window),
         }
-        if cfg.get("eval_syncs") and state.step % period == 0:  # just after a sync: the synchronized model
+        if adaptive:  # each node's steps differ: its syncs are named by their window
+            fields["w"] = state.window
+        if cfg.get("eval_syncs") and fields["sync"]:  # just after a sync: the synchronized model
             fields["val"] = f"{val_loss_of(_full(model)):.6f}"
         ft_nodes.progress(state.step - 1, **fields)
     state.synchronize(wrapped)
@@ -188,6 +214,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         "heal_s": heal_s,
         "heal_bytes": heal_bytes,
         "stats": state.stats.as_dict(),
+        "steps": state.step,
     }
     state.close()
     mgr.shutdown(wait=False)
