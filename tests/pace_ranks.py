@@ -64,12 +64,14 @@ def run(cfg: dict) -> dict:
             starts.append(step)
     if cfg.get("synchronize"):
         state.synchronize(model)
+    where = {id(p): i for i, p in enumerate(model.parameters())}
     out = {
         "node": node,
         "lengths": [b - a for a, b in itertools.pairwise(starts)],
         "params": flat(model).tolist(),
         "tally": state.stats.collectives.get("tally", 0),
         "pid": os.getpid(),
+        "layout": [[where[id(state.registry.params[j])] for j in f] for f in state.engine.layout()],
     }
     state.close()
     return out
@@ -211,3 +213,64 @@ def resumed(cfg: dict, phase: str, folder: str) -> dict:
     out = {"node": node, "step": step, "window": state.window, "params": flat(model).tolist()}
     state.close()
     return out
+
+
+def reference_streaming(
+    node_ids: list[int], lengths: dict[int, list[int]], layout: list[list[int]]
+) -> dict[int, torch.Tensor]:
+    """:func:`reference` for streaming (blocking, ``len(layout)`` fragments: ``layout[f]`` holds the
+    indices in ``model.parameters()`` of fragment f's tensors), by hand: in window w node n takes
+    ``lengths[n][w]`` steps and syncs fragment f after its step ``offset(f)`` of the window, on the
+    slowest node's grid (``g = min`` of the window's lengths: ``ceil(ceil((f + 1) g / F) n / g) - 1``);
+    fragments due after the same step sync together, in fragment order, on every node. A sync
+    replaces the fragment's tensors on every node with their mean weighted by the steps (x ranks)
+    each node took since that fragment last synced. Each node's parameters at the end (a fragment
+    synced before the window's last step has trained on since)."""
+    nodes = sorted(set(node_ids))
+    ranks = {n: [r for r, m in enumerate(node_ids) if m == n] for n in nodes}
+    F = len(layout)
+    p0 = [t.detach().clone() for t in net().parameters()]
+    q = {n: [t.clone() for t in p0] for n in nodes}
+    done = dict.fromkeys(nodes, 0)  # steps taken
+    since = {(n, f): 0 for n in nodes for f in range(F)}
+
+    def step(n: int) -> None:
+        ts = [t.clone().requires_grad_(True) for t in q[n]]
+        grads = None
+        for r in ranks[n]:
+            x, y = batch(r, done[n])
+            h = torch.tanh(x @ ts[0].T + ts[1]) @ ts[2].T + ts[3]
+            g = torch.autograd.grad(torch.nn.functional.mse_loss(h, y), ts)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        with torch.no_grad():
+            q[n] = [t.detach() - LR * g / len(ranks[n]) for t, g in zip(ts, grads)]
+        done[n] += 1
+        for f in range(F):
+            since[(n, f)] += len(ranks[n])
+
+    for w in range(len(lengths[nodes[0]])):
+        start = dict(done)
+        grid = min(lengths[n][w] for n in nodes)
+
+        def offset(n: int, f: int, w: int = w, grid: int = grid) -> int:
+            on_grid = -(-(f + 1) * grid // F)
+            return -(-on_grid * lengths[n][w] // grid) - 1
+
+        groups: dict[int, list[int]] = {}  # the slowest node's step -> fragments synced after it
+        for f in range(F):
+            groups.setdefault(-(-(f + 1) * grid // F), []).append(f)
+        for frags in (groups[k] for k in sorted(groups)):
+            for n in nodes:
+                while done[n] <= start[n] + offset(n, frags[0]):
+                    step(n)
+            for f in frags:
+                total = sum(since[(n, f)] for n in nodes)
+                for i in layout[f]:
+                    avg = sum(since[(n, f)] * q[n][i] for n in nodes) / total
+                    for n in nodes:
+                        q[n][i] = avg.clone()
+                for n in nodes:
+                    since[(n, f)] = 0
+        for n in nodes:
+            assert done[n] == start[n] + lengths[n][w], (n, w, done[n], start[n], lengths[n][w])
+    return {n: torch.cat([t.reshape(-1) for t in q[n]]) for n in nodes}

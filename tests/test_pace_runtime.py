@@ -209,3 +209,22 @@ def test_adaptive_pace_on_torchft_a_slow_node_killed_and_restarted_is_healed_and
     survivors = [out[n][0]["lengths"] for n in (0, 2)]
     assert all(max(w) == 8 for w in survivors), survivors
     assert joiner["lengths"][-3:] == [2, 2, 2], joiner["lengths"]  # paced again from its own step times
+
+
+@pytest.mark.parametrize("name", ["2x2", "3x1", "uneven"])
+def test_streaming_fragments_sync_on_the_slowest_nodes_grid_against_a_reference(name):
+    """Blocking streaming (2 fragments): each fragment averaged at its own sync, weighted by the steps
+    each node took since that fragment last synced, every node syncing it at the same fraction of
+    its window; against the hand reference of that schedule."""
+    node_ids = {"uneven": [0, 0, 1], "3x1": [0, 1, 2]}.get(name) or TOPOLOGIES[name]
+    cfg = {"options": {"period": 8, "pace": "adaptive", "fragments": 2}, "windows": 4, "step_s": [FAST, SLOW, 2 * FAST]}
+    res = launch(pace_ranks.run, node_ids, cfg, timeout=120)
+    by_node = {r["node"]: r["lengths"] for r in res}
+    assert by_node[1][2:] == [2, 2], by_node
+    layout = res[0]["layout"]
+    assert len(layout) == 2 and all(layout), layout
+    ref = pace_ranks.reference_streaming(node_ids, by_node, layout)
+    for r in res:  # fragment 0 synced mid-window: each node's own parameters since
+        torch.testing.assert_close(torch.tensor(r["params"]), ref[r["node"]], rtol=1e-5, atol=1e-6)
+    whole = pace_ranks.reference(node_ids, by_node)  # the same windows with one fragment
+    assert (whole - ref[0]).abs().max() > 1e-4, "streaming and one fragment agree: the test cannot tell"
