@@ -35,7 +35,7 @@ import torch
 
 from . import state_io
 from .futures import completed, then, wait
-from .localsgd import missing_anchor, outer_step
+from .localsgd import missing_anchor, optimizer_step, outer_step
 from .quant import BlockCodec, CastCodec, ErrorFeedback
 from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
@@ -96,6 +96,7 @@ class ChunkState:
     momentum: torch.Tensor | None = None  # (s,) fp32
     residual: torch.Tensor | None = None  # (s,) bf16: what the codes of this shard's deltas left out
     reduced_residual: torch.Tensor | None = None  # bf16: the same for the piece this rank reduces
+    outer: dict[str, Any] | None = None  # outer_optimizer's state of this shard (its tensors of s values fp32)
 
     @property
     def n(self) -> int:
@@ -235,6 +236,7 @@ class RailAverager(ChunkStore):
         codec: CastCodec | BlockCodec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.0,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         state_device: str | None = None,
         transfer: Callable[[torch.Tensor], torch.futures.Future] | None = None,
         raw_dtype: torch.dtype | None = None,
@@ -247,6 +249,8 @@ class RailAverager(ChunkStore):
         """What the inter-node leg sends (:func:`hiersync.quant.codec_for`); ``None``: the fp32 values."""
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
+        self.outer_optimizer = outer_optimizer
+        """The outer step by a ``torch.optim`` optimizer (:func:`hiersync.localsgd.optimizer_step`)."""
         self.transfer = transfer if transfer is not None else comm.average_shard
         self.blocks = codec if isinstance(codec, BlockCodec) else None
         """int8/int4: block-quantized deltas, averaged by the quantized rail average (:mod:`hiersync.quant`)."""
@@ -254,7 +258,7 @@ class RailAverager(ChunkStore):
 
     @property
     def needs_anchor(self) -> bool:
-        return self.codec is not None or self.outer_lr is not None
+        return self.codec is not None or self.outer_lr is not None or self.outer_optimizer is not None
 
     def capture(self, chunks: Callable[[], Sequence[Sequence[int]]]) -> None:
         if not self.needs_anchor:
@@ -378,12 +382,26 @@ class RailAverager(ChunkStore):
                 c.momentum = self.stored(m)
             elif m is not None and m is not c.momentum:
                 c.momentum.copy_(m, non_blocking=True)  # type: ignore[union-attr]
+        if self.outer_optimizer is not None:
+            assert anchor is not None
+            here = None if c.outer is None else {k: self._state_here(v, avg.device) for k, v in c.outer.items()}
+            avg, kept = optimizer_step(self.outer_optimizer, avg, anchor, here)
+            c.outer = {k: self.stored(v) if self._is_shard(v, c) else v for k, v in kept.items()}
         if self.needs_anchor:
             if c.anchor is None:
                 c.anchor = self.stored(avg.clone())
             else:
                 c.anchor.copy_(avg, non_blocking=True)  # the persistent buffer, reused
         return avg
+
+    @staticmethod
+    def _is_shard(v: Any, c: ChunkState) -> bool:
+        """An optimizer-state tensor that follows the shard (Adam's moments; not its step count)."""
+        return isinstance(v, torch.Tensor) and v.numel() == c.s and v.numel() > 1
+
+    def _state_here(self, v: Any, device: torch.device) -> Any:
+        """An optimizer-state value on the maths' device (a shard's buffer; a count stays where it is)."""
+        return self._here(v, device) if isinstance(v, torch.Tensor) and v.numel() > 1 else v
 
     def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
         c = self.chunk(indices)

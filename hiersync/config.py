@@ -67,6 +67,11 @@ class HierConfig:
     """DiLoCo outer Nesterov learning rate on the averaged pseudo-gradient; None = plain average."""
     outer_momentum: float = 0.0
     """Outer Nesterov momentum (needs ``outer_lr``)."""
+    outer_optimizer: Any = field(default=None, compare=False)
+    """The outer step by any ``torch.optim`` optimizer: a factory ``params -> Optimizer`` (e.g.
+    ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)``), given this rank's fp32
+    shard of each chunk's anchor, whose gradient is the pseudo-gradient ``anchor - average``; its
+    state is kept and checkpointed with the anchor. None: ``outer_lr``'s Nesterov (or no outer step)."""
     algorithm: str = "two_level"
     """Exact-step all-reduce: ``"two_level"``, ``"flat"`` or ``"auto"`` (cost model per bucket size)."""
     nonfinite: str = "skip"
@@ -147,6 +152,16 @@ class HierConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
         if self.outer_momentum and self.outer_lr is None:
             raise ValueError(f"outer_momentum={self.outer_momentum} needs outer_lr (e.g. outer_lr=0.7)")
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise TypeError(
+                f"outer_optimizer must be a factory params -> torch.optim.Optimizer, got {self.outer_optimizer!r}: "
+                "e.g. outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+        if self.outer_optimizer is not None and self.outer_lr is not None:
+            raise ValueError(
+                f"outer_optimizer and outer_lr={self.outer_lr} are two outer steps: give one (outer_lr=0.7, "
+                "outer_momentum=0.9 is torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))"
+            )
         names = self.average_optimizer_state
         if isinstance(names, str) or not isinstance(names, (tuple, list)):
             raise TypeError(

@@ -27,7 +27,7 @@ Every cross-node average, after ``optimizer.step()`` or inside DDP's hook, is th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,49 @@ def options_of(cfg: Any) -> dict[str, Any]:
     """The averager options of a :class:`~hiersync.config.HierConfig`: the payload's codec
     (:func:`hiersync.quant.codec_for`) and the outer step."""
     codec = codec_for(cfg.compress, cfg.error_feedback)
-    return {"codec": codec, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
+    check_outer_optimizer(cfg.outer_optimizer)
+    return {
+        "codec": codec,
+        "outer_lr": cfg.outer_lr,
+        "outer_momentum": cfg.outer_momentum,
+        "outer_optimizer": cfg.outer_optimizer,
+    }
+
+
+def check_outer_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None) -> None:
+    """Build ``factory``'s optimizer once on a tensor of one value: a ``TypeError`` now, not at the first sync."""
+    if factory is None:
+        return
+    probe = factory([torch.zeros(1)])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError(
+            f"outer_optimizer must return a torch.optim.Optimizer, got {type(probe).__name__}: e.g. "
+            "outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3)"
+        )
+
+
+def optimizer_step(
+    factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    avg: torch.Tensor,
+    anchor: torch.Tensor,
+    state: dict[str, Any] | None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The outer step by a ``torch.optim`` optimizer, in place on ``avg`` (fp32): ``(target, state)``.
+
+    The optimizer is built by ``factory`` over a copy of the anchor whose gradient is the
+    pseudo-gradient ``anchor - avg`` (the sign :func:`outer_step` takes: SGD with Nesterov
+    momentum there is :func:`outer_step`'s maths), given ``state`` (its state of the last step,
+    None at the first) and stepped once; the target is the parameter it leaves.
+    """
+    p = anchor.detach().clone()
+    p.grad = avg.sub_(anchor).neg_()  # the pseudo-gradient, in avg's buffer
+    opt = factory([p])
+    if state is not None:
+        opt.state[p] = dict(state)
+    opt.step()
+    new = dict(opt.state[p])
+    avg.copy_(p)
+    return avg, new
 
 
 def chunk_by_bytes(sizes: Sequence[int], max_bytes: int) -> list[list[int]]:

@@ -216,14 +216,19 @@ def shard_state(store: ChunkStore) -> dict[str, Any]:
     def saved(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().to("cpu", copy=True)
 
+    def outer(c: ChunkState) -> dict[str, Any]:  # an outer_optimizer's state: its tensors copied, counts as they are
+        if c.outer is None:
+            return {}
+        return {"outer": {k: saved(v) if isinstance(v, torch.Tensor) else v for k, v in c.outer.items()}}
+
     return {
         "kind": type(store).__name__,
         "split": store.split,
         "index": store.index,
         "chunks": [
-            {"indices": list(c.indices)} | {key: saved(getattr(c, key)) for key in KEPT}
+            {"indices": list(c.indices)} | {key: saved(getattr(c, key)) for key in KEPT} | outer(c)
             for c in store.by_key.values()
-            if any(getattr(c, key) is not None for key in KEPT)
+            if any(getattr(c, key) is not None for key in KEPT) or c.outer is not None
         ],
     }
 
@@ -252,6 +257,9 @@ def load_per_param(store: ChunkStore, saved: dict[str, list | None]) -> None:
 def backup(c: ChunkState) -> Callable[[], None]:
     """Copy the state ``c`` keeps between syncs; the callable puts it back (a dropped window)."""
     saved = {key: getattr(c, key).clone() for key in KEPT if getattr(c, key) is not None}
+    outer = (
+        None if c.outer is None else {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.outer.items()}
+    )
 
     def restore() -> None:  # into the persistent (possibly pinned) buffers where they exist
         for key in KEPT:
@@ -260,6 +268,7 @@ def backup(c: ChunkState) -> Callable[[], None]:
                 setattr(c, key, old)
             else:
                 now.copy_(old)
+        c.outer = outer  # the outer optimizer's state as the window found it
 
     return restore
 
@@ -279,6 +288,15 @@ def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
                         )
                     dtype = RESIDUAL_DTYPE if key.endswith("residual") else torch.float32
                     setattr(c, key, store.stored(t.to(device=device, dtype=dtype, copy=True)))
+            if saved.get("outer") is not None:  # a shard's buffers to its device; a step count stays on the host
+                c.outer = {
+                    k: store.stored(v.to(device=device, copy=True))
+                    if isinstance(v, torch.Tensor) and v.numel() > 1
+                    else v.clone()
+                    if isinstance(v, torch.Tensor)
+                    else v
+                    for k, v in saved["outer"].items()
+                }
             break
     for key, whole in store.per_param.items():
         if getattr(c, key) is not None or not all(i < len(whole) and whole[i] is not None for i in c.indices):

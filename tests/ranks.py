@@ -254,6 +254,43 @@ def _write(params, flat: torch.Tensor) -> None:
             off += p.numel()
 
 
+class SignMomentum(torch.optim.Optimizer):
+    """A user's own optimizer (what ``outer_optimizer=`` must take): signed momentum, with a count."""
+
+    def __init__(self, params, lr: float = 0.01, beta: float = 0.8) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["buf"], st["count"] = torch.zeros_like(p), 0
+                st["buf"].mul_(group["beta"]).add_(p.grad)
+                st["count"] += 1
+                p.add_(st["buf"].sign(), alpha=-group["lr"] / st["count"] ** 0.5)
+
+
+OUTER_OPTIMIZERS = {
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.02, betas=(0.8, 0.95)),
+    "mine": lambda ps: SignMomentum(ps, lr=0.01),
+}
+"""``outer_optimizer=`` factories the tests run (``cfg["outer_opt"]``), and the reference with them."""
+
+
+def _outer_by_optimizer(name: str, avg: torch.Tensor, anchor: torch.Tensor, state):
+    """The reference's outer step by ``OUTER_OPTIMIZERS[name]`` on the whole flat model."""
+    p = anchor.clone()
+    p.grad = anchor - avg
+    opt = OUTER_OPTIMIZERS[name]([p])
+    if state is not None:
+        opt.state[p] = state
+    opt.step()
+    return p.detach(), dict(opt.state[p])
+
+
 class Reference:
     """Hand-written hierarchical local SGD on a plain module: the oracle for the hook."""
 
@@ -296,7 +333,9 @@ class Reference:
             avg = x.clone()
             dist.all_reduce(avg)
             avg /= self.W
-        if outer:
+        if self.cfg.get("outer_opt"):
+            avg, mom = _outer_by_optimizer(self.cfg["outer_opt"], avg, anchor, mom)
+        elif outer:
             lr, mu = outer
             g = anchor - avg
             if mu:
@@ -367,7 +406,8 @@ class Reference:
             elif self.L > 1:
                 dist.all_reduce(p.grad, group=self.node)
                 p.grad /= self.L
-        if kind != "exact" and self.anchor is None and (self.cfg.get("compress") or self.cfg.get("outer")):
+        anchored = self.cfg.get("compress") or self.cfg.get("outer") or self.cfg.get("outer_opt")
+        if kind != "exact" and self.anchor is None and anchored:
             self.anchor = _flat(params)
         if mode == "stream":
             self.opt.step()
@@ -439,6 +479,7 @@ def localsgd_check(cfg: dict) -> dict:
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
+        outer_optimizer=OUTER_OPTIMIZERS[cfg["outer_opt"]] if cfg.get("outer_opt") else None,
         state_device=cfg.get("state_device"),
         average_optimizer_state=("momentum_buffer",) if cfg.get("avg_state") else (),
     )
@@ -536,6 +577,7 @@ def _build(cfg: dict):
         compress=cfg.get("compress"),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
+        outer_optimizer=OUTER_OPTIMIZERS[cfg["outer_opt"]] if cfg.get("outer_opt") else None,
         average_optimizer_state=("momentum_buffer",) if cfg.get("avg_state") else (),
         rack_period=cfg.get("rack_period"),
     )

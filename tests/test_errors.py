@@ -56,6 +56,13 @@ def _step(ddp, opt=None) -> None:
         (dict(outer_lr=-0.7), ValueError, "outer_lr must be a positive number"),
         (dict(outer_lr=0.7, outer_momentum=1.5), ValueError, r"outer_momentum must be in \[0, 1\), got 1.5"),
         (dict(outer_momentum=0.9), ValueError, "outer_momentum=0.9 needs outer_lr"),
+        (dict(outer_optimizer="adam"), TypeError, r"outer_optimizer must be a factory params -> torch.optim"),
+        (dict(period=2, outer_optimizer=lambda ps: None), TypeError, "outer_optimizer must return a torch.optim"),
+        (
+            dict(outer_lr=0.7, outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7)),
+            ValueError,
+            "outer_optimizer and outer_lr=0.7 are two outer steps",
+        ),
         (dict(timeout=-1), ValueError, "timeout must be > 0 seconds, got -1"),
         (dict(timeout="5s"), TypeError, "timeout must be a timedelta or seconds"),
         (dict(chunk_mb=0), ValueError, "chunk_mb must be > 0"),

@@ -28,6 +28,10 @@ CASES = {
     "hook_no_sync": dict(mode="hook", period=2, warmup=1, steps=6, accum=2),
     "blocking_no_sync": dict(mode="blocking", period=2, warmup=1, steps=6, accum=2),
     "outer_nesterov": dict(mode="blocking", period=2, steps=7, outer=(0.7, 0.9)),
+    # outer_optimizer=: torch's SGD with Nesterov (outer_lr's maths), Adam, a user's own optimizer
+    "outer_optimizer_sgd_nesterov": dict(mode="blocking", period=2, steps=7, outer_opt="sgd_nesterov"),
+    "outer_optimizer_adam": dict(mode="overlap", period=2, steps=7, outer_opt="adam"),
+    "outer_optimizer_mine": dict(mode="blocking", period=2, warmup=1, steps=7, outer_opt="mine"),
     "hook_outer_nesterov": dict(mode="hook", period=2, steps=7, outer=(0.7, 0.9)),
     "bucket_view_static_graph": dict(
         mode="hook", period=2, steps=6, ddp={"gradient_as_bucket_view": True, "static_graph": True}
@@ -86,6 +90,7 @@ CKPT_CASES = {
     "hook": dict(mode="hook", period=3, warmup=1),
     "blocking": dict(mode="blocking", period=3, warmup=1),
     "overlap": dict(mode="overlap", period=2, warmup=1),
+    "overlap_outer_optimizer_adam": dict(mode="overlap", period=2, outer_opt="adam"),
     "overlap_bf16_outer": dict(mode="overlap", period=2, compress="bf16", outer=(0.7, 0.9)),
     "hook_bf16_outer": dict(mode="hook", period=2, compress="bf16", outer=(0.7, 0.9)),
     "overlap_int4_optimizer_state": dict(mode="overlap", period=2, compress="int4", avg_state=True),

@@ -34,6 +34,9 @@ CASES = {
     "F4_tau1_outer_state_on_host": dict(
         mode="stream", period=4, fragments=4, tau=1, steps=9, outer=(0.7, 0.9), state_device="cpu"
     ),
+    "F2_tau1_outer_optimizer_adam_state_on_host": dict(
+        mode="stream", period=4, fragments=2, tau=1, steps=9, outer_opt="adam", state_device="cpu"
+    ),
 }
 
 
