@@ -65,7 +65,7 @@ class HierState(SyncState):
     """State of the hierarchical hook. Collective: every rank must construct it, in the same order.
 
     Options are those of :class:`~hiersync.config.HierConfig` (``period``, ``warmup_steps``,
-    ``overlap``, ``compress``, ``outer_lr``, ``outer_momentum``, ``algorithm``,
+    ``overlap``, ``compress``, ``outer_lr``, ``outer_momentum``, ``outer_optimizer``, ``algorithm``,
     ``nonfinite``, ``timeout``, ``chunk_mb``, ``intra_algorithm``, ``profile``, ``fragments``,
     ``state_device``), plus:
 
