@@ -84,6 +84,16 @@ def _optimizer(cfg: dict[str, Any], params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.get("lr", 0.1))
 
 
+def _options(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg["options"]`` for ``register``, an ``outer_optimizer`` named there made its factory."""
+    options = dict(cfg.get("options", {}))
+    if isinstance(options.get("outer_optimizer"), str):
+        from ranks import OUTER_OPTIMIZERS
+
+        options["outer_optimizer"] = OUTER_OPTIMIZERS[options["outer_optimizer"]]
+    return options
+
+
 def train_plain(cfg: dict[str, Any]) -> list[torch.Tensor]:
     """The same training with hiersync's plain mode (one job, emulated nodes): parameters after each step."""
     topo = hiersync.Topology.detect()
@@ -92,7 +102,7 @@ def train_plain(cfg: dict[str, Any]) -> list[torch.Tensor]:
     model = tiny_model()
     ddp = DDP(model)
     opt = _optimizer(cfg, ddp.parameters())
-    state = hiersync.register(ddp, opt, **cfg.get("options", {}))
+    state = hiersync.register(ddp, opt, **_options(cfg))
     out = []
     for s in range(cfg["steps"]):
         if s == cfg.get("checkpoint_at"):
@@ -140,7 +150,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         while not os.path.exists(cfg["register_after"]):
             time.sleep(0.02)
         try:
-            hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
+            hiersync.register(ddp, opt, manager=mgr, **_options(cfg))
         except hiersync.HierSyncError as e:
             return {"error": str(e)}
         return {"error": None}
@@ -148,7 +158,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if cfg.get("announce") and rank == 0:
         open(cfg["announce"], "w").close()
-    state = hiersync.register(ddp, opt, manager=mgr, **cfg.get("options", {}))
+    state = hiersync.register(ddp, opt, manager=mgr, **_options(cfg))
     first = state.step
     joined = flat(model)  # after the first quorum: a joiner healed at a sync already ran it
     kill = cfg.get("kill", {})

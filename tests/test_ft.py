@@ -484,6 +484,12 @@ OPTIONS = {
     ),
     # several fragments in flight at once (overlap 3 > period / fragments), fp16; 2 nodes x 1 rank
     "2x1-overlap3-fragments4-fp16": (1, {"period": 4, "fragments": 4, "overlap": 3, "compress": "fp16"}, {}),
+    # the outer step by torch's Adam (outer_optimizer=), its state through a checkpoint with a sync in flight
+    "2x1-outer-optimizer-adam": (
+        1,
+        {"period": 4, "fragments": 2, "overlap": 1, "outer_optimizer": "adam"},
+        {"checkpoint_at": 7},
+    ),
 }
 
 
