@@ -214,11 +214,12 @@ class ManagerMode(SyncState):
         m, device = self._marker, self._model_device()
         place: int | None = None
         extra: list[float] = []
-        if self.tally is not None:
-            last = (self.config.fragments - 1,)
-            extra = self.tally.row(m.fragments if m.kind == "sync" else last if m.kind == "synchronize" else (), device)
-            if self.windows is not None and m.kind == "sync":  # nodes' steps differ: a sync's place is its window's
-                place = self.windows.window * self.config.fragments + m.fragments[0]
+        if self.tally is not None and m.kind in ("sync", "synchronize"):
+            extra = self.tally.row(m.fragments if m.kind == "sync" else (self.config.fragments - 1,), device)
+        elif self.tally is not None:  # the start, an exact step: nothing weighed, no step time read
+            extra = [0.0] * (self.config.fragments + 1)
+        if self.windows is not None and m.kind == "sync":  # nodes' steps differ: a sync's place is its window's
+            place = self.windows.window * self.config.fragments + m.fragments[0]
         window = self.rail.open(m, device, contributes, place, extra)
         self.stats.quorum_id = window.quorum_id  # type: ignore[attr-defined]
         return window
