@@ -101,13 +101,6 @@ def _checksum(model: nn.Module) -> float:
         return float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64).sin()).sum())
 
 
-def _ended_window(state: Any, step: int) -> bool:
-    """Whether the sync after step ``step - 1`` ended a window (a joiner healed into that sync)."""
-    if state.windows is not None:
-        return bool(state.windows.start == step)
-    return state.schedule.kind(step - 1) == "sync"
-
-
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train ``cfg["steps"]`` steps on the manager mode; the result: validation loss and counters."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -163,8 +156,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     ft_nodes.progress(
         first - 1,
         event="joined",
-        sync=int(first > 0 and _ended_window(state, first)),
-        **({"w": state.window} if adaptive else {}),
+        # adaptive pace: healed into a sync if the window it takes opened at the peer's step
+        **({"w": state.window, "sync": int(first > 0 and state.windows.start == first)} if adaptive else {}),
         heal_s=f"{heal_s:.3f}",
         heal_bytes=heal_bytes,
         n=st.sync_participants,
@@ -198,11 +191,11 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             "sum": f"{_checksum(model):.12e}",
             "canary": int(canary) - state.step,
             "nan": int(nan),
-            "sync": int(state.window != window),
         }
-        if adaptive:  # each node's steps differ: its syncs are named by their window
-            fields["w"] = state.window
-        if cfg.get("eval_syncs") and fields["sync"]:  # just after a sync: the synchronized model
+        synced = state.window != window if adaptive else state.step % period == 0
+        if adaptive:  # each node's steps differ: its syncs are named by their window, and marked
+            fields.update(w=state.window, sync=int(synced))
+        if cfg.get("eval_syncs") and synced:  # just after a sync: the synchronized model
             fields["val"] = f"{val_loss_of(_full(model)):.6f}"
         ft_nodes.progress(state.step - 1, **fields)
     state.synchronize(wrapped)
