@@ -313,6 +313,17 @@ class ManagerMode(SyncState):
         if self.step == 0:  # torchft's init_sync heals every node but the first at the start
             logger.info("hiersync: rank %d was recovered from a live peer at the start of training", self.rank)
             return
+        if self.windows is not None:  # adaptive pace: each node's step is its own; the window is common
+            logger.warning(
+                "hiersync: rank %d was recovered from a live peer; it resumes at %s, with state.window = %d (and "
+                "its peer's state.step = %d): drive the training loop by the window (while state.window < windows), "
+                "as nodes' steps differ under pace='adaptive'",
+                self.rank,
+                self._marker.describe(),
+                self.window,
+                self.step,
+            )
+            return
         logger.warning(
             "hiersync: rank %d was recovered from a live peer; it resumes at %s, with state.step = %d: drive the "
             "training loop by the step (while state.step < steps), as a loop over range(steps) would train %d "

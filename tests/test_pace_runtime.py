@@ -178,10 +178,11 @@ def test_adaptive_pace_on_torchft_weighs_the_samples_its_barrier_carried(name, o
 
 
 def _paced_from_the_second_window(lengths: dict[int, list[int]]) -> None:
-    """Node 0 takes 8 a window; node 1 8 in the first, then 2 (3 where node 0's own step, on ranks that
-    share the box's 2 cores, takes well over its sleep)."""
+    """Node 0 takes 8 a window; node 1 8 in the first, then what fits: 2 by the sleeps alone, up to 4
+    where the steps' own work (4 ranks sharing the box's 2 cores) adds to both nodes' sleeps. The
+    reference is computed from the lengths taken, so the weights are checked whatever they are."""
     assert lengths[0] == [8, 8, 8, 8] and lengths[1][0] == 8, lengths
-    assert all(n in (2, 3) for n in lengths[1][1:]), lengths
+    assert all(2 <= n <= 4 for n in lengths[1][1:]), lengths
 
 
 def test_adaptive_pace_on_torchft_a_slow_node_killed_and_restarted_is_healed_and_paced_again():
