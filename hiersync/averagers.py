@@ -384,8 +384,8 @@ class RailAverager(ChunkStore):
                 c.momentum.copy_(m, non_blocking=True)  # type: ignore[union-attr]
         if self.outer_optimizer is not None:
             assert anchor is not None
-            here = None if c.outer is None else {k: self._state_here(v, avg.device) for k, v in c.outer.items()}
-            avg, kept = optimizer_step(self.outer_optimizer, avg, anchor, here)
+            held = None if c.outer is None else {k: self._state_here(v, avg.device) for k, v in c.outer.items()}
+            avg, kept = optimizer_step(self.outer_optimizer, avg, anchor, held)
             c.outer = {k: self.stored(v) if self._is_shard(v, c) else v for k, v in kept.items()}
         if self.needs_anchor:
             if c.anchor is None:
