@@ -35,7 +35,7 @@ import torch
 
 from . import state_io
 from .futures import completed, then, wait
-from .localsgd import missing_anchor, optimizer_step, outer_step
+from .localsgd import follows_shard, missing_anchor, optimizer_step, outer_step
 from .quant import BlockCodec, CastCodec, ErrorFeedback
 from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
@@ -384,9 +384,9 @@ class RailAverager(ChunkStore):
                 c.momentum.copy_(m, non_blocking=True)  # type: ignore[union-attr]
         if self.outer_optimizer is not None:
             assert anchor is not None
-            held = None if c.outer is None else {k: self._state_here(v, avg.device) for k, v in c.outer.items()}
+            held = None if c.outer is None else {k: self._outer_here(v, avg.device) for k, v in c.outer.items()}
             avg, kept = optimizer_step(self.outer_optimizer, avg, anchor, held)
-            c.outer = {k: self.stored(v) if self._is_shard(v, c) else v for k, v in kept.items()}
+            c.outer = {k: self.stored(v) if follows_shard(v) else v for k, v in kept.items()}
         if self.needs_anchor:
             if c.anchor is None:
                 c.anchor = self.stored(avg.clone())
@@ -394,14 +394,9 @@ class RailAverager(ChunkStore):
                 c.anchor.copy_(avg, non_blocking=True)  # the persistent buffer, reused
         return avg
 
-    @staticmethod
-    def _is_shard(v: Any, c: ChunkState) -> bool:
-        """An optimizer-state tensor that follows the shard (Adam's moments; not its step count)."""
-        return isinstance(v, torch.Tensor) and v.numel() == c.s and v.numel() > 1
-
-    def _state_here(self, v: Any, device: torch.device) -> Any:
-        """An optimizer-state value on the maths' device (a shard's buffer; a count stays where it is)."""
-        return self._here(v, device) if isinstance(v, torch.Tensor) and v.numel() > 1 else v
+    def _outer_here(self, v: Any, device: torch.device) -> Any:
+        """An outer optimizer's state value on the maths' device (a buffer; a count stays where it is)."""
+        return self._here(v, device) if follows_shard(v) else v
 
     def launch_correction(self, indices: Sequence[int]) -> torch.futures.Future:
         c = self.chunk(indices)

@@ -215,7 +215,8 @@ class ManagerMode(SyncState):
         place: int | None = None
         extra: list[float] = []
         if self.tally is not None and m.kind in ("sync", "synchronize"):
-            extra = self.tally.row(m.fragments if m.kind == "sync" else (self.config.fragments - 1,), device)
+            frags, at = (m.fragments, m.step) if m.kind == "sync" else ((self.config.fragments - 1,), -1)
+            extra = self.tally.row(frags, device, at)
         elif self.tally is not None:  # the start, an exact step: nothing weighed, no step time read
             extra = [0.0] * (self.config.fragments + 1)
         if self.windows is not None and m.kind == "sync":  # nodes' steps differ: a sync's place is its window's

@@ -68,6 +68,12 @@ def check_outer_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Op
         )
 
 
+def follows_shard(v: Any) -> bool:
+    """Whether a value of an outer optimizer's state is a buffer of the shard (Adam's moments, kept
+    where the anchor is kept), not a count (Adam's ``step``, a scalar tensor left where torch put it)."""
+    return isinstance(v, torch.Tensor) and v.numel() > 1
+
+
 def optimizer_step(
     factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     avg: torch.Tensor,

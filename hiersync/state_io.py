@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .localsgd import follows_shard
 from .quant import RESIDUAL_DTYPE
 
 if TYPE_CHECKING:
@@ -273,6 +274,13 @@ def backup(c: ChunkState) -> Callable[[], None]:
     return restore
 
 
+def _loaded_outer(store: ChunkStore, v: Any, device: torch.device) -> Any:
+    """A saved value of an outer optimizer's state, as the chunk keeps it (a buffer where the anchor is)."""
+    if follows_shard(v):
+        return store.stored(v.to(device=device, copy=True))
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
 def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
     """A chunk appears: take its saved shards (or its shard of an older per-parameter state)."""
     device = store.device_of(c)
@@ -289,14 +297,7 @@ def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
                     dtype = RESIDUAL_DTYPE if key.endswith("residual") else torch.float32
                     setattr(c, key, store.stored(t.to(device=device, dtype=dtype, copy=True)))
             if saved.get("outer") is not None:  # a shard's buffers to its device; a step count stays on the host
-                c.outer = {
-                    k: store.stored(v.to(device=device, copy=True))
-                    if isinstance(v, torch.Tensor) and v.numel() > 1
-                    else v.clone()
-                    if isinstance(v, torch.Tensor)
-                    else v
-                    for k, v in saved["outer"].items()
-                }
+                c.outer = {k: _loaded_outer(store, v, device) for k, v in saved["outer"].items()}
             break
     for key, whole in store.per_param.items():
         if getattr(c, key) is not None or not all(i < len(whole) and whole[i] is not None for i in c.indices):

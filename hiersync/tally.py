@@ -198,10 +198,7 @@ class Tally:
             mine = torch.tensor([self.since[f], step_s], dtype=torch.float64)
             if self.group_is_rail:  # the node's sums first (blocking: two values over the node's ranks)
                 if self.intra is not None:
-                    try:
-                        wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
-                    except Exception as e:
-                        raise wrap(e, self._phase("node's sum of the tally", step)) from e
+                    self._sum_over_node(mine, step)
                 else:
                     mine[0] *= self.node_size
                 mine[1] /= self.node_size
@@ -247,21 +244,26 @@ class Tally:
         return restore
 
     # ------------------------------------------------------------- the manager mode
-    def row(self, fragments: Sequence[int], device: torch.device) -> list[float]:
+    def row(self, fragments: Sequence[int], device: torch.device, step: int) -> list[float]:
         """This node's values for the barrier of a torchft window (:meth:`TorchftRail.open
         <hiersync.transport.TorchftRail.open>`'s ``extra``): its samples since each fragment of
         ``fragments`` synced (0 for the others: ``fragments`` values), then its step time. The
-        node's sums over its ranks (blocking, on its own group); every node's row the same length."""
+        node's sums over its ranks (blocking, on its own group); every node's row the same length.
+        ``step``: the sync's (-1: ``synchronize()``), named if the node's sum fails."""
         values = [self.since[f] if f in fragments else 0.0 for f in range(self.fragments)]
         values.append(statistics.median(self.step_times) if self.step_times else 0.0)
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         if self.intra is not None:
-            try:
-                wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
-            except Exception as e:
-                raise wrap(e, f"the node's sum of the tally ({self._where})") from e
+            self._sum_over_node(mine, step)
             mine[-1] /= self.node_size
         return mine.tolist()
+
+    def _sum_over_node(self, mine: torch.Tensor, step: int) -> None:
+        """Sum ``mine`` over this node's ranks, in place (blocking, on the node's own group)."""
+        try:
+            wait(issue(dist.all_reduce, mine, group=self.intra, what="the node's sum of the tally"))
+        except Exception as e:
+            raise wrap(e, self._phase("node's sum of the tally", step)) from e
 
     def _from_rows(
         self, step: int, fragments: Sequence[int], close: bool, rows: Sequence[Sequence[float]], me: int

@@ -178,7 +178,6 @@ class _Driver:
         finally:
             for n in list(self.partitioned):  # never leave a rule behind
                 _iptables("-D", GID_BASE + n)
-            self.slowed.clear()
 
     def _run(self, nodes: Any) -> RunRecord:
         from . import chaos_worker
