@@ -36,7 +36,7 @@ import torch
 from . import state_io
 from .futures import completed, then, wait
 from .localsgd import follows_shard, missing_anchor, optimizer_step, outer_step
-from .quant import BlockCodec, CastCodec, ErrorFeedback
+from .quant import Codec
 from .sync import AveragerComm, Launched
 from .vocab import GATHER_PIECE_BYTES
 
@@ -233,7 +233,7 @@ class RailAverager(ChunkStore):
         comm: AveragerComm,
         registry: Registry,
         *,
-        codec: CastCodec | BlockCodec | None = None,
+        codec: Codec | None = None,
         outer_lr: float | None = None,
         outer_momentum: float = 0.0,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
@@ -252,8 +252,7 @@ class RailAverager(ChunkStore):
         self.outer_optimizer = outer_optimizer
         """The outer step by a ``torch.optim`` optimizer (:func:`hiersync.localsgd.optimizer_step`)."""
         self.transfer = transfer if transfer is not None else comm.average_shard
-        self.blocks = codec if isinstance(codec, BlockCodec) else None
-        """int8/int4: block-quantized deltas, averaged by the quantized rail average (:mod:`hiersync.quant`)."""
+        """The rail average of a summed payload (the codec's :class:`~hiersync.quant.Site`)."""
         self._pool = BufferPool()
 
     @property
@@ -279,14 +278,16 @@ class RailAverager(ChunkStore):
         x = self.shard_of(c, out=keep)
         if self.needs_anchor and c.anchor is None:
             raise missing_anchor(c.indices)
-        if self.blocks is not None:
-            future = self._launch_quantized(c, x, work)
-        elif self.codec is not None:
+        if self.codec is not None:  # the codec's wire path, on the delta against the anchor
             assert c.anchor is not None
-            anchor = self._here(c.anchor, x.device)
-            delta = x.sub_(anchor) if keep is None else torch.sub(x, anchor, out=work)
-            future = self.transfer(self.codec.encode(delta))
-            del delta
+            padded = self.codec.padded(c.s, self.comm.rail_nodes())
+            if padded != c.s:
+                e = torch.zeros(padded, dtype=torch.float32, device=x.device)
+            else:  # the shard read here, or ``work``: the codec's to overwrite
+                e = x if keep is None else work if work is not None else torch.empty_like(x)
+            torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
+            future = self.codec.average(self, e, c.s, c)
+            del e
         elif self.raw_dtype is not None:
             future = self.transfer(x.to(self.raw_dtype))
         elif keep is not None:  # the transfer overwrites its payload
@@ -295,78 +296,25 @@ class RailAverager(ChunkStore):
             future = self.transfer(x)
         return Launched(c.indices, future, snapshot=keep, weighting=self.comm.weighting)
 
-    def _launch_quantized(self, c: ChunkState, x: torch.Tensor, work: torch.Tensor | None) -> torch.futures.Future:
-        """Send ``x - anchor`` (plus what earlier codes left out) as block codes, one piece per node.
-
-        The future holds the rail's averaged delta, decoded (fp32, the shard's length).
-        """
-        codec = self.blocks
-        assert codec is not None and c.anchor is not None
-        N, divisor = self.comm.rail_nodes(), self.comm.rail_divisor()
-        padded = codec.padded(c.s, N)
-        feedback = codec.feedback
-        w = self.comm.weighting
-        # False: healed in this window's quorum, or no samples in it: it sends zeros
-        contributes = self.comm.contributes() and (w is None or w.own > 0)
-        # the sum is divided by ``divisor`` below: own * divisor / S makes it the samples' mean
-        weight = 1.0 if w is None or w.own * divisor == w.expected else w.own * divisor / w.expected
-        if work is not None and padded == c.s:  # made in ``work``, overwritten below
-            e = work if contributes else work.zero_()
-        else:
-            e = torch.zeros(padded, dtype=torch.float32, device=x.device)
-        if contributes:
-            torch.sub(x, self._here(c.anchor, x.device), out=e[: c.s])
-        if feedback and contributes:  # a node that sends zeros leaves its residual as it is
-            residual = self._maybe_here(c.residual, x.device)
-            if weight != 1.0:  # weighted: the codes carry weight * (delta + residual), the residual stays unweighted
-                e.mul_(weight)
-                residual = residual * weight if residual is not None else None
-            packed, left = ErrorFeedback(codec, N).encode(e, residual)
-            if weight != 1.0:
-                left.div_(weight)
-            c.residual = ErrorFeedback.keep(left[: c.s], c.residual, self.stored)
-        else:
-            if weight != 1.0 and contributes:
-                e.mul_(weight)
-            packed = codec.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
-        n = padded // N  # values per piece
-        nbytes = codec.packed_bytes(n)
-
-        def reduce(received: torch.Tensor) -> torch.Tensor:
-            # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
-            mean = codec.decode(received[:nbytes], n)  # summed in place: one piece's temporary at a time
-            for j in range(1, N):
-                mean.add_(codec.decode(received[j * nbytes : (j + 1) * nbytes], n))
-            mean.div_(divisor)
-            if w is not None and (r := w.rescale()) != 1.0:  # weighted: the sum's weights to the samples' total
-                mean.mul_(r)
-            if not feedback:
-                return codec.encode(mean)
-            r = c.reduced_residual
-            if r is not None and r.numel() != n:  # a different number of nodes starts afresh
-                r = None
-            out, left = ErrorFeedback(codec).encode(mean, self._maybe_here(r, mean.device))
-            c.reduced_residual = ErrorFeedback.keep(left, r, self.stored)
-            return out
-
-        def decoded(f: torch.futures.Future) -> torch.Tensor:  # into ``work`` too: free again by then
-            return codec.decode_pieces(wait(f), padded, N, out=e if e is work else None)[: c.s]
-
-        return then(self.comm.average_quantized(packed, reduce), decoded, x.device, "the quantized rail average")
+    def here(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        return self._maybe_here(t, device)
 
     def complete(self, launched: Launched) -> torch.Tensor:
         return self._complete(self.chunk(launched.indices), launched)
 
     def _complete(self, c: ChunkState, launched: Launched, out: torch.Tensor | None = None) -> torch.Tensor:
         """The target, in ``out`` (default: in the payload when it is fp32, else in a new vector)."""
-        got = wait(launched.future)  # into ``out`` by a copy: an add of 16 bits to fp32 makes an fp32 temporary
+        got = wait(launched.future)
         w = launched.weighting
         if w is not None and w.total() == 0:  # no node trained a sample: the sync changes nothing
             mine = launched.snapshot if launched.snapshot is not None else self.shard_of(c)
             return mine.clone() if out is None else out.copy_(mine)
-        avg = got.float() if out is None else out.copy_(got) if out.data_ptr() != got.data_ptr() else out
-        if w is not None and self.blocks is None and (r := w.rescale()) != 1.0:  # the quantized average's reduce did it
-            avg.mul_(r)
+        if self.codec is not None:
+            avg = self.codec.result(got, w, out)
+        else:  # into ``out`` by a copy: an add of 16 bits to fp32 makes an fp32 temporary
+            avg = got.float() if out is None else out.copy_(got) if out.data_ptr() != got.data_ptr() else out
+            if w is not None and (r := w.rescale()) != 1.0:  # the sum's weights to the samples' total
+                avg.mul_(r)
         if self.raw_dtype is not None:
             return avg
         anchor = self._here(c.anchor, avg.device) if c.anchor is not None else None
@@ -439,11 +387,11 @@ class ReplicatedNodeAverager(RailAverager):
         even = topo.even and comm.rail.across_nodes
         transfer = None if even else comm.average_across_nodes  # uneven: leaders' all-reduce, node broadcast
         super().__init__(comm, registry, transfer=transfer, **options)
-        if self.blocks is not None and not topo.even:
+        if self.codec is not None and self.codec.wire.feedback and not topo.even:
             raise ValueError(
-                f"compress={self.blocks.name!r} needs nodes with equal numbers of ranks (its rail average is an "
-                f"all-to-all on every rail); this job's nodes hold {[len(n) for n in topo.nodes]} ranks: use "
-                "compress='bf16' here"
+                f"compress={self.codec.wire.name!r} needs nodes with equal numbers of ranks (its rail average is an "
+                f"{self.codec.wire.average.replace('_', '-')} on every rail); this job's nodes hold "
+                f"{[len(n) for n in topo.nodes]} ranks: use compress='bf16' here"
             )
         if even:
             self.split, self.index = comm.groups.node_size, comm.groups.local_rank

@@ -449,6 +449,23 @@ class HierComm:
         done = self._seq_rail.submit(first, gather, packed.device, self._phase("inter all-gather of averaged pieces"))
         return span("hiersync/inter_quantized_average", after(done, lambda: cell.pop(), packed.device))
 
+    def gather_payloads(self, packed: torch.Tensor) -> torch.futures.Future:
+        """Every node's ``packed`` (equal bytes on every node) all-gathered on the rail: the
+        future holds the ``N`` payloads end to end, in rail order (even nodes only). For payloads
+        that cannot be summed in transit and are decoded and summed on every rank (a sparse
+        codec's); through the rail's :class:`Sequencer`, in the order of these calls on every rank.
+        """
+        N = self.rail_nodes()
+        if N == 1:
+            return completed(packed, packed.device)
+        gathered = torch.empty(N * packed.numel(), dtype=packed.dtype, device=packed.device)
+        phase = self._phase("inter all-gather of payloads on the rail")
+        self._count(self.level, "all_gather", N, gathered.numel() * gathered.element_size())
+        done = self._seq_rail.submit(
+            ready_now(packed.device), lambda: self.rail_all_gather(gathered, packed, phase), packed.device, phase
+        )
+        return span("hiersync/inter_gathered_average", after(done, lambda: gathered, packed.device))
+
     def rail_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, what: str) -> torch.futures.Future:
         """Piece ``j`` of ``tensor`` to rail rank ``j``, piece ``j`` of ``out`` from it."""
         return self.rail.all_to_all(out, tensor, what)

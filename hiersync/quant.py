@@ -1,8 +1,12 @@
 """The codecs of the deltas sent across nodes: one per row of :data:`hiersync.vocab.WIRE_FORMATS`.
 
 :func:`codec_for` turns a ``compress=`` name into a :class:`Codec`: ``None`` for fp32 (the
-parameters themselves are averaged), a :class:`CastCodec` for bf16/fp16 (the delta against
-the fp32 anchor, cast, summed by the rail's all-reduce), a :class:`BlockCodec` for int8/int4.
+parameters themselves are averaged), else the class its row names in :data:`CODECS`: a
+:class:`CastCodec` for bf16/fp16 (the delta against the fp32 anchor, cast, summed by the
+rail's all-reduce), a :class:`BlockCodec` for int8/int4. A codec owns the whole wire path of
+a shard's delta (:meth:`Codec.average`): encode with the residuals it keeps, average through
+the comm it is given, decode. A new kind of payload is a class here and a row of
+:data:`~hiersync.vocab.WIRE_FORMATS`.
 
 Block-scaled 8- and 4-bit codes (``compress="int8"|"int4"``):
 
@@ -25,32 +29,71 @@ plain torch, and must match this one to the bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from .futures import then, wait
 from .vocab import QUANT_BLOCK, RESIDUAL_BYTES, WIRE_FORMATS, WireFormat, wire_format
 
-__all__ = ["Codec", "CastCodec", "BlockCodec", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
+__all__ = ["Codec", "Site", "Kept", "CastCodec", "BlockCodec", "CODECS", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
+
+
+class Site(Protocol):
+    """What a codec's average is given by the averager of a shard (:class:`hiersync.averagers.RailAverager`)."""
+
+    comm: Any
+    """The shard's :class:`hiersync.sync.AveragerComm`: its rail, its weighting, the rail averages."""
+    transfer: Callable[[torch.Tensor], torch.futures.Future]
+    """The rail average of a summed payload (an all-reduce, or the leaders' on uneven nodes)."""
+
+    def stored(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as kept between syncs (on the state device)."""
+        ...
+
+    def here(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """A kept tensor on ``device`` for the maths (a transient copy when offloaded)."""
+        ...
+
+
+class Kept(Protocol):
+    """What a codec keeps of a shard between syncs (:class:`hiersync.averagers.ChunkState`)."""
+
+    residual: torch.Tensor | None
+    """What this node's payloads of the shard left out (error feedback)."""
+    reduced_residual: torch.Tensor | None
+    """The same for what this rank re-encodes after an fp32 sum (the quantized rail average)."""
 
 
 class Codec(Protocol):
-    """A payload of the inter-node average: what the averagers ask of it.
-
-    ``wire.block_scaled`` says how the rail averages it: an all-reduce of :meth:`encode`'s
-    output (a float payload), or the quantized all-to-all, requantize and all-gather of a
-    :class:`BlockCodec`'s pieces.
-    """
+    """A kind of payload of the inter-node average: the whole wire path of one shard's delta."""
 
     @property
     def wire(self) -> WireFormat:
         """Its row of :data:`~hiersync.vocab.WIRE_FORMATS`."""
         ...
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """The payload of the fp32 delta ``x``."""
+    def padded(self, n: int, nodes: int) -> int:
+        """The length of the fp32 delta it is given for a shard of ``n`` values (zeros after ``n``)."""
         ...
+
+    def average(self, site: Site, e: torch.Tensor, n: int, kept: Kept) -> torch.futures.Future:
+        """Start the rail average of the delta ``e`` (fp32, :meth:`padded` long, its own to
+        overwrite) of an ``n``-value shard; the future's value is what :meth:`result` reads."""
+        ...
+
+    def result(self, got: torch.Tensor, weighting: Any, out: torch.Tensor | None) -> torch.Tensor:
+        """The averaged fp32 delta of :meth:`average`'s value (into ``out`` if given)."""
+        ...
+
+
+def _into(got: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``got`` as an fp32 vector: ``out`` (a copy unless it is ``got``), or ``got`` itself if fp32."""
+    if out is None:
+        return got.float()
+    return out if out.data_ptr() == got.data_ptr() else out.copy_(got)
 
 
 @dataclass(frozen=True)
@@ -59,6 +102,10 @@ class CastCodec:
 
     wire: WireFormat
 
+    @classmethod
+    def of(cls, wire: WireFormat, feedback: bool = True) -> CastCodec:
+        return cls(wire)
+
     @property
     def dtype(self) -> torch.dtype:
         assert self.wire.dtype is not None
@@ -66,6 +113,18 @@ class CastCodec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype)
+
+    def padded(self, n: int, nodes: int) -> int:
+        return n
+
+    def average(self, site: Site, e: torch.Tensor, n: int, kept: Kept) -> torch.futures.Future:
+        return site.transfer(self.encode(e))  # the comm weighs this node's payload
+
+    def result(self, got: torch.Tensor, weighting: Any, out: torch.Tensor | None) -> torch.Tensor:
+        avg = _into(got, out)  # into ``out`` by a copy: an add of 16 bits to fp32 makes an fp32 temporary
+        if weighting is not None and (r := weighting.rescale()) != 1.0:  # the sum's weights to the samples' total
+            avg.mul_(r)
+        return avg
 
 
 _QMAX = {8: 127, 4: 7}
@@ -90,6 +149,11 @@ class BlockCodec:
         if self.block < 2 or self.block % 2:
             raise ValueError(f"block={self.block} must be an even number of values >= 2")
 
+    @classmethod
+    def of(cls, wire: WireFormat, feedback: bool = True) -> BlockCodec:
+        assert wire.bits is not None and wire.block is not None
+        return cls(bits=wire.bits, block=wire.block, feedback=feedback)
+
     @property
     def name(self) -> str:
         return f"int{self.bits}"
@@ -106,9 +170,9 @@ class BlockCodec:
         """Bytes of ``n`` values (a multiple of ``block``): the codes, then the scales."""
         return n * self.bits // 8 + (n // self.block) * 4
 
-    def padded(self, n: int, pieces: int = 1) -> int:
-        """``n`` rounded up so that it splits into ``pieces`` pieces of whole blocks."""
-        unit = self.block * pieces
+    def padded(self, n: int, nodes: int = 1) -> int:
+        """``n`` rounded up so that it splits into ``nodes`` pieces of whole blocks."""
+        unit = self.block * nodes
         return -(-n // unit) * unit
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +205,60 @@ class BlockCodec:
         out.view(-1, self.block).mul_(scale.unsqueeze(1))
         return out
 
+    def average(self, site: Site, e: torch.Tensor, n: int, kept: Kept) -> torch.futures.Future:
+        """Send ``e`` (plus what earlier codes left out) as block codes, one piece per node: the
+        quantized rail average (:meth:`hiersync.collectives.HierComm.average_quantized`). The
+        future holds the rail's averaged delta, decoded (fp32, ``n`` values, made in ``e``)."""
+        comm = site.comm
+        N, divisor, w = comm.rail_nodes(), comm.rail_divisor(), comm.weighting
+        padded = e.numel()
+        # False: healed in this window's quorum, or no samples in it: it sends zeros
+        contributes = comm.contributes() and (w is None or w.own > 0)
+        # the sum is divided by ``divisor`` below: own * divisor / S makes it the samples' mean
+        weight = 1.0 if w is None or w.own * divisor == w.expected else w.own * divisor / w.expected
+        if not contributes:
+            e.zero_()
+        if self.feedback and contributes:  # a node that sends zeros leaves its residual as it is
+            residual = site.here(kept.residual, e.device)
+            if weight != 1.0:  # weighted: the codes carry weight * (delta + residual), the residual stays unweighted
+                e.mul_(weight)
+                residual = residual * weight if residual is not None else None
+            packed, left = ErrorFeedback(self, N).encode(e, residual)
+            if weight != 1.0:
+                left.div_(weight)
+            kept.residual = ErrorFeedback.keep(left[:n], kept.residual, site.stored)
+        else:
+            if weight != 1.0 and contributes:
+                e.mul_(weight)
+            packed = self.encode_pieces(e, N)  # piece j goes to the j-th node of the rail
+        m = padded // N  # values per piece
+        nbytes = self.packed_bytes(m)
+
+        def reduce(received: torch.Tensor) -> torch.Tensor:
+            # This rank's piece from every node: decode, mean in fp32, re-encode with its own feedback.
+            mean = self.decode(received[:nbytes], m)  # summed in place: one piece's temporary at a time
+            for j in range(1, N):
+                mean.add_(self.decode(received[j * nbytes : (j + 1) * nbytes], m))
+            mean.div_(divisor)
+            if w is not None and (r := w.rescale()) != 1.0:  # weighted: the sum's weights to the samples' total
+                mean.mul_(r)
+            if not self.feedback:
+                return self.encode(mean)
+            r = kept.reduced_residual
+            if r is not None and r.numel() != m:  # a different number of nodes starts afresh
+                r = None
+            out, left = ErrorFeedback(self).encode(mean, site.here(r, mean.device))
+            kept.reduced_residual = ErrorFeedback.keep(left, r, site.stored)
+            return out
+
+        def decoded(f: torch.futures.Future) -> torch.Tensor:  # into ``e``: free again by then
+            return self.decode_pieces(wait(f), padded, N, out=e)[:n]
+
+        return then(comm.average_quantized(packed, reduce), decoded, e.device, "the quantized rail average")
+
+    def result(self, got: torch.Tensor, weighting: Any, out: torch.Tensor | None) -> torch.Tensor:
+        return _into(got, out)  # the reduce applied the weights
+
     def encode_pieces(self, x: torch.Tensor, pieces: int) -> torch.Tensor:
         """``x`` cut into ``pieces`` equal pieces, each encoded on its own (codes, then scales),
         end to end: piece ``j`` is bytes ``[j * b, (j + 1) * b)`` with ``b = packed_bytes(n / pieces)``."""
@@ -156,15 +274,17 @@ class BlockCodec:
         return out
 
 
-def codec_for(compress: str | None, error_feedback: bool = True) -> CastCodec | BlockCodec | None:
+CODECS: dict[str, type[Any]] = {"cast": CastCodec, "block": BlockCodec}
+"""A row's ``codec`` name -> its class, built by :func:`codec_for` from the row and the options."""
+
+
+def codec_for(compress: str | None, error_feedback: bool = True, **options: Any) -> Codec | None:
     """The codec of a ``compress=`` name (``None``/``"none"``: fp32, no codec), from its row of
-    :data:`~hiersync.vocab.WIRE_FORMATS`."""
+    :data:`~hiersync.vocab.WIRE_FORMATS`. ``options``: a codec kind's own (``None`` values: its defaults)."""
     f = wire_format(compress)
-    if f.bits is None:
+    if f.codec is None:
         return None
-    if f.block_scaled:
-        return BlockCodec(bits=f.bits, feedback=error_feedback)
-    return CastCodec(f)
+    return CODECS[f.codec].of(f, error_feedback, **options)
 
 
 RESIDUAL_DTYPE = torch.bfloat16

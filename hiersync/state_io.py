@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .localsgd import follows_shard
-from .quant import RESIDUAL_DTYPE
 
 if TYPE_CHECKING:
     from .averagers import ChunkState, ChunkStore
@@ -294,7 +293,7 @@ def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
                             f"hiersync state_dict {key} shard of parameters {list(c.indices)[:4]} has "
                             f"{t.numel()} values, this model needs {c.s}: the checkpoint is from a different model"
                         )
-                    dtype = RESIDUAL_DTYPE if key.endswith("residual") else torch.float32
+                    dtype = t.dtype if key.endswith("residual") else torch.float32  # a codec keeps its own
                     setattr(c, key, store.stored(t.to(device=device, dtype=dtype, copy=True)))
             if saved.get("outer") is not None:  # a shard's buffers to its device; a step count stays on the host
                 c.outer = {k: _loaded_outer(store, v, device) for k, v in saved["outer"].items()}

@@ -137,6 +137,10 @@ class AveragerComm(Protocol):
         """Quantized pieces averaged on the rail: all-to-all, ``reduce``, all-gather."""
         ...
 
+    def gather_payloads(self, packed: torch.Tensor) -> torch.futures.Future:
+        """Every node's payload all-gathered on the rail (``N`` payloads end to end, in rail order)."""
+        ...
+
     def gather_node(self, out: torch.Tensor, shard: torch.Tensor) -> torch.futures.Future:
         """The node's shards all-gathered into ``out``."""
         ...

@@ -41,6 +41,7 @@ __all__ = [
     "GATHER_PIECE_BYTES",
     "QUANT_BLOCK",
     "RESIDUAL_BYTES",
+    "SCALE_BITS",
     "COMPRESS_DTYPES",
     "COMPRESS_CODES",
     "WireFormat",
@@ -188,39 +189,69 @@ RESIDUAL_BYTES = 2
 """Bytes per value of an error-feedback residual: bf16 (``hiersync.quant.RESIDUAL_DTYPE``)."""
 
 
+SCALE_BITS = 32
+"""Bits of one block's scale (fp32) on the wire."""
+
+
 @dataclass(frozen=True)
 class WireFormat:
     """What ``compress=<name>`` sends on the inter-node leg: the one table of payloads.
 
-    The options (:class:`hiersync.config.HierConfig`), the averagers' codecs
-    (:func:`hiersync.quant.codec_for`) and the cost model (:mod:`hiersync.costmodel.compression`)
-    all read :data:`WIRE_FORMATS`; a new payload is a row here and a codec there.
+    The options (:class:`hiersync.config.HierConfig`), the codecs (:func:`hiersync.quant.codec_for`
+    builds the class its ``codec`` names) and the cost model (:mod:`hiersync.costmodel.compression`)
+    all read :data:`WIRE_FORMATS`; a new payload is a row here, a new kind of payload a row and
+    a codec class.
     """
 
     name: str
     bits: int | None
-    """Bits per value on the wire, block scales aside; ``None``: the parameters' own (fp32)."""
-    block_scaled: bool = False
-    """Codes with one fp32 scale per :data:`QUANT_BLOCK` values, averaged by an all-to-all of
-    pieces, an fp32 sum, a requantize and an all-gather, with error feedback; otherwise the
-    payload is summed by an all-reduce."""
+    """Bits per value sent, scales and positions aside; ``None``: the parameters' own (fp32)."""
     dtype: str | None = None
     """A float payload's ``torch`` dtype, by name (``"bfloat16"``)."""
+    codec: str | None = None
+    """The codec class that sends it (:data:`hiersync.quant.CODECS`); ``None``: the values themselves."""
+    average: str = "all_reduce"
+    """How the rail averages the payloads: ``"all_reduce"`` (summed by the collective),
+    ``"all_to_all"`` (an all-to-all of pieces, an fp32 sum, a requantize and an all-gather) or
+    ``"all_gather"`` (every node's payload gathered, decoded and summed densely on every rank)."""
+    block: int | None = None
+    """Values per fp32 scale (``None``: no scales)."""
+    keep: int | None = None
+    """Values sent per block, each with its position in the block (``None``: every value)."""
+    index_bits: int = 0
+    """Bits of a sent value's position in its block (a sparse payload's)."""
+    residual_bytes: int = RESIDUAL_BYTES
+    """Bytes per value of its error-feedback residual (a coded payload's)."""
 
     @property
     def delta(self) -> bool:
         """Sent as the delta against the fp32 anchor (every payload narrower than the parameters)."""
         return self.bits is not None
 
+    @property
+    def feedback(self) -> bool:
+        """Error feedback applies: what a payload leaves out is kept and sent with the next one."""
+        return self.average != "all_reduce"
+
+    def bits_per_value(self, own: int = 32, keep: int | None = None) -> float:
+        """Bits sent per parameter, scales and positions included (``own``: the parameters'
+        bits; ``keep``: a sparse payload's values per block, if not the row's)."""
+        if self.bits is None:
+            return own
+        if self.block is None:
+            return min(self.bits, own)
+        sent = keep if keep is not None and self.keep is not None else self.keep or self.block
+        return (sent * (self.bits + self.index_bits) + SCALE_BITS) / self.block
+
 
 WIRE_FORMATS: dict[str, WireFormat] = {
     f.name: f
     for f in (
         WireFormat("none", None),
-        WireFormat("bf16", 16, dtype="bfloat16"),
-        WireFormat("fp16", 16, dtype="float16"),
-        WireFormat("int8", 8, block_scaled=True),
-        WireFormat("int4", 4, block_scaled=True),
+        WireFormat("bf16", 16, dtype="bfloat16", codec="cast"),
+        WireFormat("fp16", 16, dtype="float16", codec="cast"),
+        WireFormat("int8", 8, codec="block", average="all_to_all", block=QUANT_BLOCK),
+        WireFormat("int4", 4, codec="block", average="all_to_all", block=QUANT_BLOCK),
     )
 }
 """``compress=`` name -> what it sends (``"none"`` is ``compress=None``: fp32 parameters)."""
@@ -234,9 +265,10 @@ def wire_format(compress: str | None) -> WireFormat:
     return WIRE_FORMATS[name]
 
 
-COMPRESS_DTYPES = tuple(n for n, f in WIRE_FORMATS.items() if f.delta and not f.block_scaled)
+COMPRESS_DTYPES = tuple(n for n, f in WIRE_FORMATS.items() if f.delta and not f.feedback)
 """16-bit payloads of the inter-node parameter average (deltas against the fp32 anchor)."""
-COMPRESS_CODES = tuple(n for n, f in WIRE_FORMATS.items() if f.block_scaled)
-"""Block-quantized payloads: deltas against the fp32 anchor with error feedback (:mod:`hiersync.quant`)."""
+COMPRESS_CODES = tuple(n for n, f in WIRE_FORMATS.items() if f.feedback)
+"""Coded payloads (block-quantized, sparse): deltas against the fp32 anchor with error feedback
+(:mod:`hiersync.quant`), averaged by something other than an all-reduce."""
 NONFINITE_MODES = ("skip", "raise", "ignore")
 """What a NaN/Inf gradient does: skip the update, raise, or no check at all."""

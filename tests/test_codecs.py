@@ -16,8 +16,8 @@ def test_every_payload_is_an_option_and_is_priced(name):
     cfg = HierConfig(period=4, compress=name)
     assert cfg.compress == (None if name == "none" else name)
     bits = compression.bits_per_element(name)
-    assert bits == (32 if f.bits is None else f.bits + (32 / QUANT_BLOCK if f.block_scaled else 0))
-    assert compression.is_quantized(name) == f.block_scaled
+    assert bits == (32 if f.bits is None else f.bits + (32 / QUANT_BLOCK if f.codec == "block" else 0))
+    assert compression.is_quantized(name) == f.feedback == (f.average != "all_reduce")
 
 
 def test_an_unknown_payload_is_refused_everywhere_with_the_valid_names():
@@ -45,7 +45,7 @@ def test_every_payload_has_its_codec(name):
         assert codec is None
         return
     assert codec is not None and codec.wire is f
-    if f.block_scaled:
+    if f.codec == "block":
         assert isinstance(codec, BlockCodec) and codec.feedback
         assert not codec_for(name, error_feedback=False).feedback  # type: ignore[union-attr]
         n = QUANT_BLOCK * 4

@@ -830,7 +830,12 @@ def test_bits_per_element_and_the_block_constant(monkeypatch):
     ]  # fmt: skip
     assert compression.bits_per_element(None, 2) == 16 and compression.bits_per_element("bf16", 2) == 16
     assert compression.compress_ratio("int4", 4) == 4.25 / 32
-    monkeypatch.setattr(compression, "QUANT_BLOCK", 64)  # one named constant decides the scales' share
+    from dataclasses import replace
+
+    from hiersync.vocab import WIRE_FORMATS
+
+    # the payload's row decides the scales' share
+    monkeypatch.setitem(WIRE_FORMATS, "int8", replace(WIRE_FORMATS["int8"], block=64))
     assert compression.bits_per_element("int8", 4) == 8.5
     with pytest.raises(ValueError, match="valid: none, bf16, fp16, int8, int4"):
         compression.bits_per_element("int2")

@@ -9,10 +9,14 @@
   quantized pieces, an fp32 sum of each rank's piece, requantized, then an all-gather. Each
   rank sends ``2(N-1)/N * n * bits/8`` bytes for its n-element shard, as an all-reduce of
   ``bits``-bit values would, but pays the latency of both phases and the quantize and
-  dequantize passes (:func:`quantize_seconds`) at :attr:`Profile.quant_gbps`.
+  dequantize passes (:func:`quantize_seconds`) at :attr:`Profile.quant_gbps`;
+* a sparse row (``keep`` values of each block, with their positions): every node's payload
+  is all-gathered and decoded on every rank, so a rank sends ``(N-1) * payload`` bytes: the
+  bytes grow with N, where an all-reduce's stay ``2(N-1)/N`` of its input.
 
-Quantized values cannot be summed inside an all-reduce, hence the two phases (the scheme of
-torchft's and DeepSpeed ZeRO++'s quantized collectives). Pure: no torch.
+Coded values cannot be summed inside an all-reduce, hence the two phases (the scheme of
+torchft's and DeepSpeed ZeRO++'s quantized collectives) or the gather. Every figure comes from
+the payload's row of :data:`hiersync.vocab.WIRE_FORMATS`. Pure: no torch.
 
 Example::
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hiersync.vocab import QUANT_BLOCK, WIRE_FORMATS, wire_format
+from hiersync.vocab import QUANT_BLOCK, SCALE_BITS, WIRE_FORMATS, wire_format
 
 from .links import check_number
 
@@ -44,10 +48,16 @@ __all__ = [
     "quantize_seconds",
 ]
 
-SCALE_BITS = 32
 COMPRESS_OPTIONS = tuple(WIRE_FORMATS)
 """``"none"`` stands for ``compress=None`` on the command line (:data:`hiersync.vocab.WIRE_FORMATS`)."""
-QUANTIZED_BITS = {n: f.bits for n, f in WIRE_FORMATS.items() if f.block_scaled and f.bits is not None}
+QUANTIZED_BITS = {n: f.bits for n, f in WIRE_FORMATS.items() if f.feedback and f.bits is not None}
+"""The coded payloads (averaged by something other than an all-reduce): bits per value sent."""
+SPARSE_PASSES = 8.0
+"""A sparse payload's encode in passes over the shard at ``quant_gbps``: the magnitudes, the
+selection of each block's largest (``torch.topk``, the dominant cost), the gather of their values,
+the residual's update (measured: ``benchmarks/codec_cost.py``)."""
+SPARSE_DECODE_PASSES = 1.0
+"""Passes over the shard per node's payload decoded into the dense sum (a scatter of k values a block)."""
 DEFAULT_QUANT_GBPS = 100.0
 """GB/s of fp32 input one quantize or dequantize pass processes when a profile states none: a
 conservative GPU rate (the passes are memory-bound and an H100's HBM moves ~3 TB/s); not
@@ -60,18 +70,14 @@ def check_compress(compress: str | None) -> str:
 
 
 def is_quantized(compress: str | None) -> bool:
-    """Whether ``compress`` is sent as a quantized rail average (int8, int4)."""
-    return wire_format(compress).block_scaled
+    """Whether ``compress`` is coded (int8, int4, sparse): averaged by its row's collectives, not an all-reduce."""
+    return wire_format(compress).feedback
 
 
 def bits_per_element(compress: str | None, param_bytes: int = 4) -> float:
-    """Bits sent per parameter on the inter-node leg, block scales included."""
-    f, own = wire_format(compress), 8 * param_bytes
-    if f.bits is None:
-        return own
-    if f.block_scaled:
-        return f.bits + SCALE_BITS / QUANT_BLOCK
-    return min(f.bits, own)
+    """Bits of a payload per parameter, block scales and positions included (what one node
+    sends of its shard once; a gathered payload goes to each of the N-1 others)."""
+    return wire_format(compress).bits_per_value(8 * param_bytes)
 
 
 def compress_ratio(compress: str | None, param_bytes: int = 4) -> float:
@@ -79,14 +85,20 @@ def compress_ratio(compress: str | None, param_bytes: int = 4) -> float:
     return bits_per_element(compress, param_bytes) / (8 * param_bytes)
 
 
-def quantize_seconds(elements: float, nodes: int, profile: Profile) -> float:
-    """The quantize/dequantize passes of one quantized rail average of ``elements`` (fp32 maths).
+def quantize_seconds(elements: float, nodes: int, profile: Profile, compress: str | None = "int8") -> float:
+    """The encode and decode passes of one coded rail average of ``elements`` (fp32 maths).
 
-    Quantize the shard, dequantize and sum the N-1 pieces received ((N-1)/N of it), requantize
-    the rank's piece (1/N), dequantize the gathered result: 3 passes over the shard's elements,
-    4 bytes each, at the profile's ``quant_gbps`` (:data:`DEFAULT_QUANT_GBPS` if unstated).
+    Block codes: quantize the shard, dequantize and sum the N-1 pieces received ((N-1)/N of
+    it), requantize the rank's piece (1/N), dequantize the gathered result: 3 passes over the
+    shard's elements, 4 bytes each, at the profile's ``quant_gbps`` (:data:`DEFAULT_QUANT_GBPS`
+    if unstated). A sparse payload: :data:`SPARSE_PASSES` (the selection of each block's
+    largest values, the residual's update) plus one pass per node's payload scattered into the
+    dense sum.
     """
     n = check_number("elements", elements)
     gbps = profile.quant_gbps or DEFAULT_QUANT_GBPS
-    passes = 1 + (nodes - 1) / nodes + 1 / nodes + 1
+    if wire_format(compress).average == "all_gather":
+        passes = SPARSE_PASSES + SPARSE_DECODE_PASSES * nodes
+    else:
+        passes = 1 + (nodes - 1) / nodes + 1 / nodes + 1
     return passes * n * 4 / (gbps * 1e9)

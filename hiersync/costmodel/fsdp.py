@@ -108,7 +108,7 @@ def fsdp_memory(
     reshard_after_forward: bool = True,
     anchor: bool = False,
     outer: bool = False,
-    error_feedback: bool = False,
+    error_feedback: bool | str = False,
     activations_bytes: float = 0.0,
     nodes: int = 2,
 ) -> FsdpMemory:
@@ -137,7 +137,9 @@ def fsdp_memory(
         anchor=shard_state if k > 1 and (anchor or outer) else 0.0,
         momentum=shard_state if k > 1 and outer else 0.0,
         in_flight=in_flight,
-        residual=residual_bytes(shard_state, nodes) if k > 1 and error_feedback else 0.0,
+        residual=residual_bytes(shard_state, nodes, "int8" if error_feedback is True else error_feedback)
+        if k > 1 and error_feedback
+        else 0.0,
         activations=check_number("activations_bytes", activations_bytes),
     )
 

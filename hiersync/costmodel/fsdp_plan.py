@@ -210,7 +210,8 @@ def make_fsdp_plan(
         params=params, ranks_per_node=profile.ranks_per_node, units=units, period=rec.period or 1,
         fragments=rec.fragments, overlap=rec.overlap, param_bytes=pb, grad_bytes=pb,
         optimizer_bytes=optimizer_bytes, reshard_after_forward=reshard_after_forward,
-        anchor=compress != "none", outer=outer, error_feedback=compression.is_quantized(compress),
+        anchor=compress != "none", outer=outer,
+        error_feedback=compress if compression.is_quantized(compress) else False,
         activations_bytes=activations_gb * 1e9, nodes=profile.nodes,
     )  # fmt: skip
     n = profile.nodes

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hiersync.vocab import GATHER_PIECE_BYTES, RESIDUAL_BYTES
+from hiersync.vocab import GATHER_PIECE_BYTES, wire_format
 
 from .links import check_count, check_number
 
@@ -67,7 +67,7 @@ def sync_memory(
     outer: bool = False,
     attached: bool = True,
     param_bytes: int = FP32_BYTES,
-    error_feedback: bool = False,
+    error_feedback: bool | str = False,
     nodes: int = 2,
     payload_bytes: float | None = None,
 ) -> SyncMemory:
@@ -76,8 +76,8 @@ def sync_memory(
     ``params``: parameter count; ``param_bytes``: bytes per parameter of the model (a blocking
     sync's shard follows it); ``attached``: an optimizer is attached (the state is
     sharded 1/L); ``outer``: an outer optimizer (``outer_lr``) is on; ``error_feedback``: the
-    int8/int4 compression's bf16 residuals: half a state shard, plus 1/``nodes`` of it for the
-    piece the rank re-encodes (the default ``nodes=2`` is the largest that piece gets);
+    coded payload's residuals (True: int8/int4's; or the ``compress=`` name, whose row says:
+    :func:`residual_bytes`) (the default ``nodes=2`` is the largest a re-encoded piece gets);
     ``payload_bytes``: with ``compress``, bytes per element of the payload an overlapped sync makes
     beside its buffer (default 2, bf16's; int8 and int4: 4 + 1 and 4 + 0.5, their fp32 delta and
     its codes).
@@ -92,7 +92,8 @@ def sync_memory(
     state = p * FP32_BYTES * share
     anchor = state if (compress or outer) else 0.0
     momentum = state if outer else 0.0
-    residual = residual_bytes(state, nodes) if error_feedback else 0.0
+    wire = "int8" if error_feedback is True else error_feedback or None
+    residual = residual_bytes(state, nodes, wire) if wire else 0.0
     if not attached:  # the hook averages DDP's buckets in place
         return SyncMemory(anchor=anchor, momentum=momentum, in_flight=0.0, gather=0.0, residual=residual, sharded=False)
     if tau:  # the node's fp32 buffer of each fragment in flight, and a compressed payload of the rank's shard
@@ -110,7 +111,10 @@ def sync_memory(
     )
 
 
-def residual_bytes(state: float, nodes: int) -> float:
-    """int8/int4's bf16 error-feedback residuals beside ``state`` bytes of fp32 state shard: one for
-    the shard the rank sends, one for the 1/``nodes`` of it the rank re-encodes after the rail's sum."""
-    return state * RESIDUAL_BYTES / FP32_BYTES * (1 + 1 / check_count("nodes", nodes))
+def residual_bytes(state: float, nodes: int, compress: str = "int8") -> float:
+    """A coded payload's error-feedback residuals beside ``state`` bytes of fp32 state shard, in
+    the dtype its row keeps them in: one for the shard the rank sends, and for a quantized rail
+    average (int8/int4) one for the 1/``nodes`` of it the rank re-encodes after the rail's sum."""
+    f = wire_format(compress)
+    again = 1 / check_count("nodes", nodes) if f.average == "all_to_all" else 0.0
+    return state * f.residual_bytes / FP32_BYTES * (1 + again)

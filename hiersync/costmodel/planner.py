@@ -241,7 +241,7 @@ def make_plan(
         fragments=recommended.fragments,
         overlap=recommended.overlap,
         compress=compress != "none",
-        error_feedback=compression.is_quantized(compress),
+        error_feedback=compress if compression.is_quantized(compress) else False,
         nodes=profile.nodes,
         attached=recommended.placement not in (None, "hook"),
         param_bytes=DTYPE_BYTES[dtype],

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from hiersync.vocab import wire_format
+
 from . import nccl
 from .compression import QUANTIZED_BITS, bits_per_element, compress_ratio, is_quantized, quantize_seconds
 from .hierarchy import check_intra_algorithm, flat_allreduce_time, two_level_stages
@@ -273,10 +275,11 @@ def choose_exact_algorithm(
 
 
 def quantized_average_seconds(shard_bytes: float, profile: Profile, compress: str, param_bytes: int = 4) -> float:
-    """One quantized rail average (int8/int4) of a rank's ``shard_bytes`` shard on ``profile``'s rail.
+    """One coded rail average (int8/int4, sparse) of a rank's ``shard_bytes`` shard on ``profile``'s rail.
 
-    All-to-all of the quantized shard, then all-gather of the requantized pieces (both priced
-    on the rail), plus :func:`~.compression.quantize_seconds`. One node: 0.
+    Its row's collectives (:data:`hiersync.vocab.WIRE_FORMATS`), priced on the rail: an
+    all-to-all of the coded shard and an all-gather of the requantized pieces, or an all-gather
+    of every node's whole payload; plus :func:`~.compression.quantize_seconds`. One node: 0.
     """
     if not is_quantized(compress):
         raise ValueError(f"compress={compress!r} is not quantized; valid: {', '.join(QUANTIZED_BITS)}")
@@ -284,6 +287,9 @@ def quantized_average_seconds(shard_bytes: float, profile: Profile, compress: st
         return 0.0
     elements = check_number("shard_bytes", shard_bytes) / param_bytes
     wire = elements * bits_per_element(compress, param_bytes) / 8
+    if wire_format(compress).average == "all_gather":
+        gathered = predict_rail_collective("all_gather", wire * profile.nodes, profile)
+        return gathered + quantize_seconds(elements, profile.nodes, profile, compress)
     exchange = predict_rail_collective("all_to_all", wire, profile)
     gather = predict_rail_collective("all_gather", wire, profile)
-    return exchange + gather + quantize_seconds(elements, profile.nodes, profile)
+    return exchange + gather + quantize_seconds(elements, profile.nodes, profile, compress)
