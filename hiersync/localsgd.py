@@ -46,7 +46,7 @@ __all__ = [
 def options_of(cfg: Any) -> dict[str, Any]:
     """The averager options of a :class:`~hiersync.config.HierConfig`: the payload's codec
     (:func:`hiersync.quant.codec_for`) and the outer step."""
-    codec = codec_for(cfg.compress, cfg.error_feedback)
+    codec = codec_for(cfg.compress, cfg.error_feedback, cfg)
     check_outer_optimizer(cfg.outer_optimizer)
     return {
         "codec": codec,

@@ -103,7 +103,7 @@ class CastCodec:
     wire: WireFormat
 
     @classmethod
-    def of(cls, wire: WireFormat, feedback: bool = True) -> CastCodec:
+    def of(cls, wire: WireFormat, feedback: bool = True, options: Any = None) -> CastCodec:
         return cls(wire)
 
     @property
@@ -150,7 +150,7 @@ class BlockCodec:
             raise ValueError(f"block={self.block} must be an even number of values >= 2")
 
     @classmethod
-    def of(cls, wire: WireFormat, feedback: bool = True) -> BlockCodec:
+    def of(cls, wire: WireFormat, feedback: bool = True, options: Any = None) -> BlockCodec:
         assert wire.bits is not None and wire.block is not None
         return cls(bits=wire.bits, block=wire.block, feedback=feedback)
 
@@ -278,13 +278,14 @@ CODECS: dict[str, type[Any]] = {"cast": CastCodec, "block": BlockCodec}
 """A row's ``codec`` name -> its class, built by :func:`codec_for` from the row and the options."""
 
 
-def codec_for(compress: str | None, error_feedback: bool = True, **options: Any) -> Codec | None:
+def codec_for(compress: str | None, error_feedback: bool = True, options: Any = None) -> Codec | None:
     """The codec of a ``compress=`` name (``None``/``"none"``: fp32, no codec), from its row of
-    :data:`~hiersync.vocab.WIRE_FORMATS`. ``options``: a codec kind's own (``None`` values: its defaults)."""
+    :data:`~hiersync.vocab.WIRE_FORMATS`. ``options``: the :class:`~hiersync.config.HierConfig`
+    a codec kind reads its own options from (``None``: its defaults)."""
     f = wire_format(compress)
     if f.codec is None:
         return None
-    return CODECS[f.codec].of(f, error_feedback, **options)
+    return CODECS[f.codec].of(f, error_feedback, options)
 
 
 RESIDUAL_DTYPE = torch.bfloat16
