@@ -21,12 +21,16 @@ import _lm
 import torch
 import torch.distributed as dist
 
+from hiersync.vocab import WIRE_FORMATS
+
 __all__ = ["SCHEDULES", "TORCHFT", "PLAIN_OUTER", "worker", "hiersync_options", "GRAMMAR"]
 
-GRAMMAR = "hiersync_k<k>[_stream[<F>]][_tau<t>][_w<W>][_o<lr>m<mu>][_int8|_int4|_bf16][_expavg]"
+_CODECS = tuple(n for n, f in WIRE_FORMATS.items() if f.delta and n != "fp16")  # the coded rows and bf16
+_SUFFIXES = "|".join("_" + c for c in _CODECS)
+GRAMMAR = f"hiersync_k<k>[_stream[<F>]][_tau<t>][_w<W>][_o<lr>m<mu>][{_SUFFIXES}][_t<topk>][_expavg]"
 _NAME = re.compile(
-    r"^hiersync_k(\d+)(?:_stream(\d*))?(?:_tau(\d+))?(?:_w(\d+))?(?:_o([\d.]+)m([\d.]+))?(?:_(int8|int4|bf16))?"
-    r"(_expavg)?$"
+    r"^hiersync_k(\d+)(?:_stream(\d*))?(?:_tau(\d+))?(?:_w(\d+))?(?:_o([\d.]+)m([\d.]+))?"
+    rf"(?:_({'|'.join(_CODECS)}))?(?:_t(\d+))?(_expavg)?$"
 )
 
 
@@ -36,7 +40,8 @@ def hiersync_options(name: str) -> dict[str, Any] | None:
     ``_stream[F]``: ``fragments=F`` (default k), ``overlap=1`` unless ``_tau``; ``_w<W>``: W
     exact warm-up steps (post-local SGD's warm-up); ``_o<lr>m<mu>``: DiLoCo's outer Nesterov
     step (``outer_lr``, ``outer_momentum``; an lr above 1 with mu 0 lengthens each window's
-    averaged step: the per-window correction); a codec for the deltas; ``_expavg``: AdamW's
+    averaged step: the per-window correction); a codec for the deltas (``_t<topk>``: topk2's values
+    sent of each block); ``_expavg``: AdamW's
     ``exp_avg`` averaged with the parameters.
 
     >>> hiersync_options("hiersync_k16_stream4_w50_o0.7m0.9_int4")["fragments"]
@@ -45,7 +50,7 @@ def hiersync_options(name: str) -> dict[str, Any] | None:
     m = _NAME.match(name)
     if m is None:
         return None
-    k, frags, tau, warm, olr, mu, codec, expavg = m.groups()
+    k, frags, tau, warm, olr, mu, codec, topk, expavg = m.groups()
     out: dict[str, Any] = {"period": int(k)}
     if "_stream" in name:
         out.update(fragments=int(frags or k), overlap=1)
@@ -57,6 +62,8 @@ def hiersync_options(name: str) -> dict[str, Any] | None:
         out.update(outer_lr=float(olr), outer_momentum=float(mu))
     if codec is not None:
         out["compress"] = codec
+    if topk is not None:
+        out["topk"] = int(topk)
     if expavg:
         out["average_optimizer_state"] = ("exp_avg",)
     return out

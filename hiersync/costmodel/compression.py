@@ -52,11 +52,14 @@ COMPRESS_OPTIONS = tuple(WIRE_FORMATS)
 """``"none"`` stands for ``compress=None`` on the command line (:data:`hiersync.vocab.WIRE_FORMATS`)."""
 QUANTIZED_BITS = {n: f.bits for n, f in WIRE_FORMATS.items() if f.feedback and f.bits is not None}
 """The coded payloads (averaged by something other than an all-reduce): bits per value sent."""
-SPARSE_PASSES = 8.0
-"""A sparse payload's encode in passes over the shard at ``quant_gbps``: the magnitudes, the
-selection of each block's largest (``torch.topk``, the dominant cost), the gather of their values,
-the residual's update (measured: ``benchmarks/codec_cost.py``)."""
-SPARSE_DECODE_PASSES = 1.0
+SPARSE_PASSES = 3.3
+"""A sparse payload's encode with error feedback, in passes over the shard at ``quant_gbps``: the
+magnitudes, each block's largest (``torch.topk``, most of it), their codes, the residual's update.
+Fitted on a 2-core CPU at 3.25M values (one rank's shard of a 25 MB model at 2 ranks a node),
+where int8's quantize pass sets ``quant_gbps``: ``python benchmarks/codec_cost.py --repeats 9``
+prices 0.68x to 1.22x of what it measures over four runs at 2 and 4 nodes (the box's noise: the
+same encode took 17 to 31 ms). A GPU's ``topk`` costs differently, not measured."""
+SPARSE_DECODE_PASSES = 0.05
 """Passes over the shard per node's payload decoded into the dense sum (a scatter of k values a block)."""
 DEFAULT_QUANT_GBPS = 100.0
 """GB/s of fp32 input one quantize or dequantize pass processes when a profile states none: a

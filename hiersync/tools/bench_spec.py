@@ -2,7 +2,7 @@
 
 Grammar of the hiersync schedules::
 
-    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16 | _int8 | _int4][_outer]
+    hiersync_p<k>[_overlap | _stream[<F>][_tau<t>]][_bf16 | _int8 | _int4 | _topk2][_outer]
 
 * ``hiersync_p<k>``: period k, the inter-node average runs blocking after ``optimizer.step()``;
 * ``_overlap``: the whole model's average is launched there and applied one step later
@@ -10,7 +10,9 @@ Grammar of the hiersync schedules::
 * ``_stream``: streaming, ``fragments=F`` (default ``F = k``) staggered over the period, each
   applied ``t`` steps after its launch (``overlap=t``, default 1, ``1 <= t <= k - 1``);
 * ``_bf16``: 16-bit deltas on the inter-node leg (``compress="bf16"``); ``_int8``, ``_int4``:
-  block-quantized deltas with error feedback (``compress="int8"`` / ``"int4"``);
+  block-quantized deltas with error feedback (``compress="int8"`` / ``"int4"``); ``_topk2``:
+  each block's largest values, 2-bit, with error feedback (``compress="topk2"``; every coded row
+  of the payload table is a suffix);
 * ``_outer``: DiLoCo's outer Nesterov step on the averaged pseudo-gradient
   (``outer_lr=0.7, outer_momentum=0.9``, the values torchft's DiLoCo examples use).
 
@@ -34,6 +36,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from hiersync.vocab import WIRE_FORMATS
 
 __all__ = [
     "FSDP_KINDS",
@@ -70,14 +74,16 @@ FULL_PERIODS = (2, 4, 8)
 NEVER = 10**9  # a period no run reaches: intra-node averaging only
 COMPUTE_MODELS = ("cpu", "accel")
 """``cpu``: real CPU compute; ``accel``: layers that sleep a set time with the CPU idle (a device's kernels)."""
-GRAMMAR = "hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][_bf16|_int8|_int4][_outer]"
+_CODECS = tuple(n for n, f in WIRE_FORMATS.items() if f.delta and n != "fp16")
+"""The payloads a row may name (every coded row of :data:`hiersync.vocab.WIRE_FORMATS`, and bf16)."""
+GRAMMAR = f"hiersync_p<k>[_overlap|_stream[<F>][_tau<t>]][{'|'.join('_' + c for c in _CODECS)}][_outer]"
 TORCHFT_GRAMMAR = "torchft_localsgd_k<k>, torchft_diloco_k<k>[_d<d>], torchft_streaming_k<k>_f<F>[_d<d>]"
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
 """The outer optimizer of ``_outer`` rows and of torchft's DiLoCo rows (torchft's examples: SGD lr 0.7,
 momentum 0.9, Nesterov)."""
 
 _SCHEDULE_RE = re.compile(
-    r"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(?:_(bf16|int8|int4))?(_outer)?$"
+    rf"^hiersync_p(\d+)(?:(_overlap)|(_stream)(\d*)(?:_tau(\d+))?)?(?:_({'|'.join(_CODECS)}))?(_outer)?$"
 )
 _TORCHFT_RE = re.compile(
     r"^torchft_(?:(localsgd)_k(\d+)|(diloco)_k(\d+)(?:_d(\d+))?|(streaming)_k(\d+)_f(\d+)(?:_d(\d+))?)$"
