@@ -21,7 +21,7 @@ from typing import Any
 from .levels import HierLevel, hierarchy
 from .pace import check_pace
 from .schedule import Schedule
-from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB
+from .vocab import COMPRESS_CODES, INTRA_ALGORITHMS, NONFINITE_MODES, WIRE_FORMATS, MiB, wire_format
 
 __all__ = ["HierConfig", "ALGORITHMS", "COMPRESS", "NONFINITE"]
 
@@ -59,10 +59,13 @@ class HierConfig:
     compress: str | None = None
     """``"bf16"``/``"fp16"``: send parameter deltas against the fp32 anchor in 16 bits;
     ``"int8"``/``"int4"``: block-quantized, with error feedback (needs an attached optimizer
-    and nodes of equal size)."""
+    and nodes of equal size); ``"topk2"``: the ``topk`` largest of each block of 4,096 values,
+    2-bit, with error feedback (the same needs)."""
     error_feedback: bool = True
-    """int8/int4: keep what the codes of each delta leave out and send it with the next one
+    """int8/int4/topk2: keep what the codes of each delta leave out and send it with the next one
     (False only to measure what it buys: the rounding errors are then lost)."""
+    topk: int | None = None
+    """``compress="topk2"``: values sent of each block of 4,096 (default 64; a multiple of 4)."""
     outer_lr: float | None = None
     """DiLoCo outer Nesterov learning rate on the averaged pseudo-gradient; None = plain average."""
     outer_momentum: float = 0.0
@@ -139,9 +142,21 @@ class HierConfig:
             raise TypeError(f"error_feedback must be True or False, got {self.error_feedback!r}")
         if not self.error_feedback and self.compress not in COMPRESS_CODES:
             raise ValueError(
-                f"error_feedback=False applies to compress='int8' or 'int4' (compress={self.compress!r} sends "
-                "16-bit or fp32 values, with nothing to feed back)"
+                f"error_feedback=False applies to compress={' or '.join(map(repr, COMPRESS_CODES))} "
+                f"(compress={self.compress!r} sends 16-bit or fp32 values, with nothing to feed back)"
             )
+        if self.topk is not None:
+            row = wire_format(self.compress)
+            if row.keep is None or row.block is None:
+                raise ValueError(
+                    f"topk={self.topk!r} applies to compress='topk2' (compress={self.compress!r} is dense)"
+                )
+            if isinstance(self.topk, bool) or not isinstance(self.topk, int):
+                raise TypeError(f"topk must be an int, got {self.topk!r}")
+            if not (4 <= self.topk <= row.block and self.topk % 4 == 0):
+                raise ValueError(
+                    f"topk={self.topk} must be a multiple of 4 between 4 and {row.block} (the values of a block)"
+                )
         _choice("algorithm", self.algorithm, ALGORITHMS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("intra_algorithm", self.intra_algorithm, (None, *INTRA_ALGORITHMS))

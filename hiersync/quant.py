@@ -35,10 +35,21 @@ from typing import Any, Protocol
 
 import torch
 
-from .futures import then, wait
+from .futures import completed, then, wait
 from .vocab import QUANT_BLOCK, RESIDUAL_BYTES, WIRE_FORMATS, WireFormat, wire_format
 
-__all__ = ["Codec", "Site", "Kept", "CastCodec", "BlockCodec", "CODECS", "codec_for", "ErrorFeedback", "RESIDUAL_DTYPE"]
+__all__ = [
+    "Codec",
+    "Site",
+    "Kept",
+    "CastCodec",
+    "BlockCodec",
+    "SparseCodec",
+    "CODECS",
+    "codec_for",
+    "ErrorFeedback",
+    "RESIDUAL_DTYPE",
+]
 
 
 class Site(Protocol):
@@ -274,7 +285,151 @@ class BlockCodec:
         return out
 
 
-CODECS: dict[str, type[Any]] = {"cast": CastCodec, "block": BlockCodec}
+_TERNARY = (0.0, 1.0, -1.0, 0.0)  # a 2-bit code's value in units of its block's scale (3: unused)
+
+
+@dataclass(frozen=True)
+class SparseCodec:
+    """The ``keep`` largest magnitudes of each block of ``block`` values, as 2-bit codes with one
+    fp32 scale per block and a 12-bit position in the block (``compress="topk2"``).
+
+    A code is the sign of a sent value or zero, ``{0: 0, 1: +s, 2: -s}``, ``s`` its block's mean
+    magnitude of the nonzero values sent (the ternary level that keeps their L1 mass); a sent
+    value under ``s / 2`` goes as 0, so the zeros of a block with fewer than ``keep`` nonzero
+    values decode to zeros. One node (a quorum of one) sends nothing: its average is its own
+    delta plus its residual, exactly, and the residual is then spent.
+
+    Laid out as every block's codes (4 a byte), then their positions (2 in 3 bytes), then the
+    scales. Everything not sent stays in the error-feedback residual, kept in fp32 (nearly
+    all of a delta waits there for windows: bf16 would lose 2^-9 of it every window). The rail
+    average all-gathers every node's payload and decodes and sums it densely on every rank, in
+    rail order, so every node gets the same bits: sparse codes cannot be summed in an
+    all-reduce, and a requantized all-to-all would sparsify the sum a second time. A rank sends
+    ``(N - 1)`` payloads' bytes where an all-reduce's input would cost ``2 (N - 1) / N``: at the
+    defaults, 0.014x of bf16's all-reduce at 2 nodes, 0.057x at 8, 0.45x at 64, and more than
+    bf16 past 141 nodes (a rack level keeps N small: docs/local-sgd.md).
+    """
+
+    wire: WireFormat
+    keep: int = 64
+    block: int = 4096
+    feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.block <= 4096:
+            raise ValueError(f"block={self.block} must be between 4 and 4096 values (12-bit positions)")
+        if not (4 <= self.keep <= self.block and self.keep % 4 == 0):
+            raise ValueError(f"topk={self.keep} must be a multiple of 4 between 4 and the block's {self.block} values")
+
+    @classmethod
+    def of(cls, wire: WireFormat, feedback: bool = True, options: Any = None) -> SparseCodec:
+        assert wire.keep is not None and wire.block is not None
+        topk = getattr(options, "topk", None)
+        return cls(wire, wire.keep if topk is None else topk, wire.block, feedback)
+
+    def padded(self, n: int, nodes: int = 1) -> int:
+        return -(-n // self.block) * self.block
+
+    def packed_bytes(self, n: int) -> int:
+        """Bytes of ``n`` values (a multiple of ``block``): codes, positions, scales."""
+        return n // self.block * (self.keep // 4 + self.keep * 3 // 2 + 4)
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(positions, codes, scales)`` of ``x`` (fp32, a multiple of ``block`` values): each
+        block's ``keep`` largest magnitudes, ``(blocks, keep)`` int64 and uint8, and ``(blocks,)`` fp32."""
+        blocks = x.view(-1, self.block)
+        pos = blocks.abs().topk(self.keep, dim=1, sorted=False).indices
+        v = blocks.gather(1, pos)
+        a = v.abs()
+        scale = a.sum(dim=1) / (a > 0).sum(dim=1).clamp_(min=1)  # the mean of the nonzero ones
+        code = (a * 2 > scale.unsqueeze(1)).to(torch.uint8) * (1 + (v < 0).to(torch.uint8))
+        return pos, code, scale
+
+    def pack(self, pos: torch.Tensor, code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """:meth:`select`'s output as one uint8 vector."""
+        c = code.reshape(-1, 4)
+        codes = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+        p = pos.reshape(-1, 2)
+        a, b = p[:, 0], p[:, 1]
+        where = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1).to(torch.uint8).reshape(-1)
+        return torch.cat([codes, where, scale.to(torch.float32).view(torch.uint8)])
+
+    def unpack(self, packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, values)`` of a payload of ``n`` values: ``(blocks, keep)`` int64 and fp32."""
+        m, k = n // self.block, self.keep
+        nc, npos = m * k // 4, m * k * 3 // 2
+        codes = packed[:nc]
+        c = torch.stack([codes & 3, (codes >> 2) & 3, (codes >> 4) & 3, codes >> 6], dim=1).reshape(m, k)
+        w = packed[nc : nc + npos].reshape(-1, 3).to(torch.int64)
+        pos = torch.stack([w[:, 0] | ((w[:, 1] & 0xF) << 8), (w[:, 1] >> 4) | (w[:, 2] << 4)], dim=1).reshape(m, k)
+        scale = (
+            packed[nc + npos : nc + npos + 4 * m].clone().view(torch.float32)
+        )  # a payload's start need not be aligned
+        lut = torch.tensor(_TERNARY, dtype=torch.float32, device=packed.device)
+        return pos, lut[c.to(torch.int64)].mul_(scale.unsqueeze(1))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pack(*self.select(x))
+
+    def decode(self, packed: torch.Tensor, n: int, out: torch.Tensor | None = None, add: bool = False) -> torch.Tensor:
+        """The ``n`` fp32 values of a payload: zeros but at its positions (written, or added with
+        ``add``, into ``out`` if given)."""
+        pos, vals = self.unpack(packed, n)
+        if out is None:
+            out = torch.zeros(n, dtype=torch.float32, device=packed.device)
+        elif not add:
+            out.zero_()
+        out.view(-1, self.block).scatter_add_(1, pos, vals)
+        return out
+
+    def average(self, site: Site, e: torch.Tensor, n: int, kept: Kept) -> torch.futures.Future:
+        """Send ``e`` (plus the residual) as each block's largest values; what is not sent, or
+        sent rounded, is the next residual. The future holds the rail's mean delta (fp32, ``n``
+        values, made in ``e``)."""
+        comm = site.comm
+        N, divisor, w = comm.rail_nodes(), comm.rail_divisor(), comm.weighting
+        contributes = comm.contributes() and (w is None or w.own > 0)  # else: zeros, the residual as it is
+        if not contributes:
+            e.zero_()
+        elif self.feedback and (r := site.here(kept.residual, e.device)) is not None:
+            e[: r.numel()].add_(r)
+        if N == 1:  # the average of one node is its own: nothing is left out
+            if contributes and kept.residual is not None:
+                kept.residual.zero_()
+            return completed(e[:n], e.device)
+        pos, code, scale = self.select(e)
+        if self.feedback and contributes:  # what the codes miss, in place: e is the next residual
+            sent = torch.tensor(_TERNARY, dtype=torch.float32, device=e.device)[code.to(torch.int64)]
+            e.view(-1, self.block).scatter_add_(1, pos, sent.mul_(scale.unsqueeze(1)).neg_())
+            left = e[:n]
+            if kept.residual is not None and kept.residual.numel() == n and kept.residual.dtype == torch.float32:
+                kept.residual.copy_(left, non_blocking=True)
+            else:
+                kept.residual = site.stored(left.clone())
+        # weighted: the sum's node weights (own * divisor / S, divided below) scale the codes' scales
+        if w is not None and contributes and w.own * divisor != w.expected:
+            scale = scale * (w.own * divisor / w.expected)
+        packed = self.pack(pos, code, scale)
+        padded = e.numel()
+        nbytes = packed.numel()
+
+        def summed(f: torch.futures.Future) -> torch.Tensor:  # every node's payload, in rail order, into ``e``
+            got = wait(f)
+            e.zero_()
+            for j in range(N):
+                self.decode(got[j * nbytes : (j + 1) * nbytes], padded, out=e, add=True)
+            e.div_(divisor)
+            if w is not None and (r := w.rescale()) != 1.0:  # the sum's weights to the samples' total
+                e.mul_(r)
+            return e[:n]
+
+        return then(comm.gather_payloads(packed), summed, e.device, "the gathered rail average")
+
+    def result(self, got: torch.Tensor, weighting: Any, out: torch.Tensor | None) -> torch.Tensor:
+        return _into(got, out)  # the sum applied the weights
+
+
+CODECS: dict[str, type[Any]] = {"cast": CastCodec, "block": BlockCodec, "sparse": SparseCodec}
 """A row's ``codec`` name -> its class, built by :func:`codec_for` from the row and the options."""
 
 

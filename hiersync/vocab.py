@@ -252,6 +252,9 @@ WIRE_FORMATS: dict[str, WireFormat] = {
         WireFormat("fp16", 16, dtype="float16", codec="cast"),
         WireFormat("int8", 8, codec="block", average="all_to_all", block=QUANT_BLOCK),
         WireFormat("int4", 4, codec="block", average="all_to_all", block=QUANT_BLOCK),
+        WireFormat(
+            "topk2", 2, codec="sparse", average="all_gather", block=4096, keep=64, index_bits=12, residual_bytes=4
+        ),
     )
 }
 """``compress=`` name -> what it sends (``"none"`` is ``compress=None``: fp32 parameters)."""

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hiersync
 
 FRONTENDS = ("ddp", "fsdp")
-CODECS = (None, "bf16", "int8", "int4")
+CODECS = (None, "bf16", "int8", "int4", "topk2")
 SCHEDULES: dict[str, dict[str, Any]] = {
     "hook": {"period": 2},  # DDP's hook alone, no optimizer attached
     "blocking": {"period": 2},

@@ -319,7 +319,7 @@ class Reference:
         anchor, mom = (self.anchor, self.mom) if whole else (anchor, mom)
         x = _flat(params)
         compress, outer = self.cfg.get("compress"), self.cfg.get("outer")
-        if compress in ("int8", "int4"):  # the reference sends fp32 deltas: the test bounds the codes' error
+        if compress in ("int8", "int4", "topk2"):  # the reference sends fp32 deltas: the test bounds the codes' error
             delta = x - anchor
             self.max_delta = max(self.max_delta, float((x - anchor).abs().max()))
             dist.all_reduce(delta)
