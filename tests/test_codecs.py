@@ -16,7 +16,8 @@ def test_every_payload_is_an_option_and_is_priced(name):
     cfg = HierConfig(period=4, compress=name)
     assert cfg.compress == (None if name == "none" else name)
     bits = compression.bits_per_element(name)
-    assert bits == (32 if f.bits is None else f.bits + (32 / QUANT_BLOCK if f.codec == "block" else 0))
+    assert bits == f.bits_per_value(32)
+    assert bits == (32 if f.bits is None else f.bits + (32 / QUANT_BLOCK if f.codec == "block" else 0)) or f.keep
     assert compression.is_quantized(name) == f.feedback == (f.average != "all_reduce")
 
 
@@ -45,7 +46,10 @@ def test_every_payload_has_its_codec(name):
         assert codec is None
         return
     assert codec is not None and codec.wire is f
-    if f.codec == "block":
+    if f.codec == "sparse":
+        n = 4096 * 2
+        assert codec.packed_bytes(n) * 8 / n == compression.bits_per_element(name)  # type: ignore[union-attr]
+    elif f.codec == "block":
         assert isinstance(codec, BlockCodec) and codec.feedback
         assert not codec_for(name, error_feedback=False).feedback  # type: ignore[union-attr]
         n = QUANT_BLOCK * 4

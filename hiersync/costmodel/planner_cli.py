@@ -165,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(COMPRESS_OPTIONS),
         default="none",
         help="deltas on the inter-node sync leg: bf16/fp16 (16 bits), int8/int4 (block-scaled, one fp32 scale per "
-        f"{QUANT_BLOCK} elements, a quantized rail average); default none. The plan also says which one pays",
+        f"{QUANT_BLOCK} elements, a quantized rail average), topk2 (64 of each 4,096 values, 2-bit, gathered: "
+        "its bytes grow with the nodes); default none. The plan also says which one pays",
     )
     parser.add_argument(
         "--quant-gbps",
