@@ -362,11 +362,15 @@ class SparseCodec:
         c = torch.stack([codes & 3, (codes >> 2) & 3, (codes >> 4) & 3, codes >> 6], dim=1).reshape(m, k)
         w = packed[nc : nc + npos].reshape(-1, 3).to(torch.int64)
         pos = torch.stack([w[:, 0] | ((w[:, 1] & 0xF) << 8), (w[:, 1] >> 4) | (w[:, 2] << 4)], dim=1).reshape(m, k)
-        scale = (
-            packed[nc + npos : nc + npos + 4 * m].clone().view(torch.float32)
-        )  # a payload's start need not be aligned
-        lut = torch.tensor(_TERNARY, dtype=torch.float32, device=packed.device)
-        return pos, lut[c.to(torch.int64)].mul_(scale.unsqueeze(1))
+        # copied: a payload's start in a gathered buffer need not be aligned for fp32
+        scale = packed[nc + npos : nc + npos + 4 * m].clone().view(torch.float32)
+        return pos, self.values(c, scale)
+
+    @staticmethod
+    def values(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of ``(blocks, keep)`` codes with their blocks' scales."""
+        lut = torch.tensor(_TERNARY, dtype=torch.float32, device=code.device)
+        return lut[code.to(torch.int64)].mul_(scale.unsqueeze(1))
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return self.pack(*self.select(x))
@@ -399,8 +403,7 @@ class SparseCodec:
             return completed(e[:n], e.device)
         pos, code, scale = self.select(e)
         if self.feedback and contributes:  # what the codes miss, in place: e is the next residual
-            sent = torch.tensor(_TERNARY, dtype=torch.float32, device=e.device)[code.to(torch.int64)]
-            e.view(-1, self.block).scatter_add_(1, pos, sent.mul_(scale.unsqueeze(1)).neg_())
+            e.view(-1, self.block).scatter_add_(1, pos, self.values(code, scale).neg_())
             left = e[:n]
             if kept.residual is not None and kept.residual.numel() == n and kept.residual.dtype == torch.float32:
                 kept.residual.copy_(left, non_blocking=True)
