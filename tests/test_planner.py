@@ -686,6 +686,17 @@ def test_the_plan_says_which_compress_pays(capsys, flags, pays):
     assert cli.main([*argv, "--forward-ms", "150", "--bucket-mb", "25"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compress:"))
     assert f"use compress={pays}" in line and "int8" in line and "int4" in line and "re-planned" in line
+    assert "topk2" in line and "costs loss" not in line  # priced, but no faster than the option named here
+
+
+def test_the_plan_prices_sparse_deltas_but_never_recommends_them(capsys):
+    argv = ["plan", "--inter-gbps", "0.1", "--nics-per-node", "1", "--intra-gbps", "235", "--gpus-per-node", "8"]
+    assert cli.main([*argv, "--params", "7e9", "--nodes", "16", "--backward-ms", "300", "--forward-ms", "150"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("compress:"))
+    cells = re.findall(r"(\w+) ([\d,.]+) (m?s)(?:,|$)", line.split(": use")[0])
+    steps = {c: float(v.replace(",", "")) / (1000 if unit == "ms" else 1) for c, v, unit in cells}
+    assert steps["topk2"] < steps["int4"] / 1.02  # far faster on a 0.1 GB/s link ...
+    assert 'use compress="int4"' in line and "topk2 " in line and "costs loss" in line  # ... and named as lossy
 
 
 def test_quantized_compression_keeps_a_residual():

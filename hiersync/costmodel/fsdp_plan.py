@@ -26,7 +26,6 @@ from hiersync import costmodel as cm
 from . import compression
 from .fsdp import ADAMW_STATE_BYTES, FsdpMemory, fsdp_memory, fsdp_step_time
 from .planner import (
-    COMPRESS_NEAR,
     DEFAULT_FRAGMENTS,
     DEFAULT_OVERLAPS,
     DEFAULT_WARMUP_STEPS,
@@ -42,6 +41,7 @@ from .planner_report import (
     RECOMMENDED,
     by_step_line,
     held_back_warning,
+    lossy_clause,
     outer_args,
     penalty_lines,
     render_plan_table,
@@ -49,8 +49,10 @@ from .planner_report import (
     to_loss_line,
 )
 from .planner_sweeps import (
+    COMPRESS_COMPARED,
     StepsPenalties,
     StepsPenalty,
+    compress_pays,
     rank_by_time_to_loss,
     read_steps_penalty,
     smallest_near_best,
@@ -234,7 +236,7 @@ def make_fsdp_plan(
         )
     same: list[tuple[str, float]] = []
     if rec.period and rec.period > 1:
-        for option in ("none", "bf16", "int8", "int4"):
+        for option in COMPRESS_COMPARED:
             st = fsdp_step_time(
                 "hiersync", period=rec.period, fragments=rec.fragments, overlap=rec.overlap,
                 compress=None if option == "none" else option, copy_s_per_byte=copy_beta, **common,
@@ -332,12 +334,12 @@ def format_fsdp_plan(plan: FsdpPlan) -> str:
     ]
     lines += [f"       {line}" for line in fsdp_register_lines(plan)]
     if plan.compress_same:
-        fastest = min(step for _, step in plan.compress_same)
-        pays = next(c for c, step in plan.compress_same if step <= fastest * COMPRESS_NEAR)
+        pays = compress_pays(plan.compress_same)
         at = ", ".join(f"{c} {_ms(step)}" for c, step in plan.compress_same)
         arg = "None" if pays == "none" else f'"{pays}"'
         lines.append(
             f"compress: at {rec.schedule}: {at}: use compress={arg} (the least lossy within 2% of the fastest)"
+            f"{lossy_clause(plan.compress_same, pays)}"
         )
     n = p.nodes
     lines += [

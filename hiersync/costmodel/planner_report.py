@@ -14,6 +14,8 @@ from hiersync import costmodel as cm
 from hiersync._table import render
 from hiersync.vocab import MiB
 
+from .planner_sweeps import COMPRESS_LOSSY, COMPRESS_NEAR
+
 if TYPE_CHECKING:
     from .planner_sweeps import StepsPenalties, StepsPenalty
     from .plans import Plan, PlanRow
@@ -24,6 +26,7 @@ __all__ = [
     "collectives_assumed",
     "links_line",
     "compress_line",
+    "lossy_clause",
     "ddp_call",
     "register_call",
     "format_plan",
@@ -324,9 +327,20 @@ def compress_line(plan: Plan) -> str:
         why = f"{same['none'] / same[pays]:.2f}x faster than none; fewer bits gain < 2% more"
     arg = "None" if pays == "none" else f'"{pays}"'
     return (
-        f"compress: at {config}: {at}: use compress={arg} ({why}); each re-planned (smallest k within 5% of its "
-        f"best): {alone}"
+        f"compress: at {config}: {at}: use compress={arg} ({why}){lossy_clause(plan.compress_same, pays)}; "
+        f"each re-planned (smallest k within 5% of its best): {alone}"
     )
+
+
+def lossy_clause(same: Sequence[tuple[str, float]], pays: str) -> str:
+    """What the options left out of the recommendation would buy, and why they are left out."""
+    steps = dict(same)
+    near = steps[pays] / COMPRESS_NEAR
+    faster = [(c, steps[pays] / steps[c]) for c in COMPRESS_LOSSY if steps.get(c, math.inf) < near]
+    if not faster:
+        return ""
+    gains = ", ".join(f"{c} {gain:.2f}x faster" for c, gain in faster)
+    return f"; {gains}, but it costs loss at every density measured (docs/local-sgd.md)"
 
 
 RECOMMENDED = "<- recommended"

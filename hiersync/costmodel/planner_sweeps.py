@@ -44,6 +44,8 @@ __all__ = [
     "BREAK_EVEN_RANGE_GBPS",
     "COMPRESS_NEAR",
     "COMPRESS_COMPARED",
+    "COMPRESS_LOSSY",
+    "compress_pays",
     "break_even_gbps",
     "compare_compress",
 ]
@@ -57,7 +59,10 @@ BREAK_EVEN_RANGE_GBPS = (1e-3, 1e4)  # per node: 1 MB/s .. 10 TB/s
 # Which compress pays: the least lossy option whose step is within 2% of the fastest's at the
 # recommended configuration (fewer bits risk accuracy: every bit saved must buy time).
 COMPRESS_NEAR = 1.02
-COMPRESS_COMPARED = ("none", "bf16", "int8", "int4")  # fp16 sends bf16's bytes
+COMPRESS_COMPARED = ("none", "bf16", "int8", "int4", "topk2")  # fp16 sends bf16's bytes
+# Priced and shown, never recommended: sparse deltas cost loss at every density measured
+# (docs/local-sgd.md, "Sparse 2-bit deltas"); a user who accepts that names it.
+COMPRESS_LOSSY = ("topk2",)
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -406,9 +411,15 @@ def compare_compress(
         alt = replan(option)
         steps.append((option, alt.recommended.step_s, alt.recommended.schedule))
         same.append((option, _row_step(plan, option)))
-    fastest = min(step for _, step in same)
-    pays = next(option for option, step in same if step <= fastest * COMPRESS_NEAR)
-    return tuple(same), tuple(steps), pays
+    return tuple(same), tuple(steps), compress_pays(same)
+
+
+def compress_pays(same: Sequence[tuple[str, float]]) -> str:
+    """The least lossy option of ``(compress, step s)`` whose step is within :data:`COMPRESS_NEAR` of
+    the fastest one's, :data:`COMPRESS_LOSSY` left out."""
+    kept = [(option, step) for option, step in same if option not in COMPRESS_LOSSY]
+    fastest = min(step for _, step in kept)
+    return next(option for option, step in kept if step <= fastest * COMPRESS_NEAR)
 
 
 def _row_step(plan: Plan, compress: str) -> float:
