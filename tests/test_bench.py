@@ -1167,3 +1167,12 @@ def test_cached_host_memory_sets_glibc_thresholds():
     assert 0 <= bench_probes.host_reserve_mb(4, 100.0) <= 2048 and bench_probes.host_reserve_mb(10**9, 100.0) == 0
     assert bench_probes.host_reserve_mb(1, 0.1) == 3  # a tiny model: a tiny reserve
     bench_probes.exact_rss()  # back to the memory pass's setting for the tests that follow
+
+
+def test_a_stream_with_more_fragments_than_tensors_is_refused_before_any_rank_starts():
+    # the mlp of 4 layers has 8 parameter tensors: a 9th fragment would hold nothing
+    assert _config(["--schedules", "hiersync_p16_stream8_topk2"])["schedules"] == ["hiersync_p16_stream8_topk2"]
+    with pytest.raises(ValueError, match=r"'hiersync_p16_stream_topk2': 16 fragments .* 8 parameter tensors.*_stream8"):
+        _config(["--schedules", "ddp,hiersync_p16_stream_topk2"])
+    with pytest.raises(ValueError, match="2 parameter tensors"):
+        _config(["--schedules", "hiersync_p4_stream", "--mlp-depth", "1"])

@@ -199,11 +199,13 @@ def test_calibrate_command_writes_profile(calibrated, capsys):
     assert not list(calibrated.parent.glob(".*.tmp"))  # written atomically: no temporary left
 
 
-def test_calibrate_needs_ranks():
+def test_calibrate_needs_ranks(capsys):
     from hiersync.tools.cli import main
 
+    assert main(["calibrate", "--out", "unused.json"]) == 2  # the error and its fix, no traceback
+    assert "python -m hiersync calibrate: error:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="torchrun"):
-        main(["calibrate", "--out", "unused.json"])
+        main(["-v", "calibrate", "--out", "unused.json"])  # -v: the traceback
 
 
 def _auto_profile(tmp_path) -> tuple[str, cm.Profile]:

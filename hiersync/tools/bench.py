@@ -77,11 +77,13 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from hiersync.vocab import NONFINITE_MODES, parse_count
 
 from .bench_claims import check_claims, format_claims, format_peer_ratios, peer_ratios, rounds
+from .bench_compute import build_model
 from .bench_model import compare, format_comparison, format_model_targets, model_targets, resolve_profile
 from .bench_noise import loaded
 from .bench_progress import ProgressFile, environment
@@ -197,6 +199,23 @@ def run_bench(
     return rows, raw
 
 
+def check_fragments(specs: Sequence[ScheduleSpec], config: dict) -> None:
+    """``ValueError`` before any rank starts when a streaming row has more fragments than a model
+    has parameter tensors (a fragment holds whole tensors); the models are built on the meta device."""
+    import torch
+
+    streaming = [sp for sp in specs if sp.fragments > 1]
+    for name in config["models"] if streaming else ():
+        with torch.device("meta"):
+            tensors = len(list(build_model(name, config, config["compute"][0])[0].parameters()))
+        for sp in streaming:
+            if sp.fragments > tensors:
+                raise ValueError(
+                    f"schedule {sp.name!r}: {sp.fragments} fragments but the {name} has {tensors} parameter tensors "
+                    f"(a fragment holds whole tensors): name at most {tensors} fragments, e.g. _stream{tensors}"
+                )
+
+
 def make_config(args: argparse.Namespace) -> dict:
     """The worker's configuration from the command line (validated here, not in the ranks)."""
     if args.schedules:
@@ -247,7 +266,7 @@ def make_config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--min-seconds={args.min_seconds} must be >= 0")
     if args.warmup < 1:
         raise ValueError(f"--warmup={args.warmup} must be >= 1 (DDP rebuilds its buckets after the first step)")
-    return {
+    config = {
         "models": models,
         "compute": compute,
         "accel_layer_ms": args.accel_layer_ms,
@@ -275,6 +294,8 @@ def make_config(args: argparse.Namespace) -> dict:
         # the memory pass: on with --memory, and with --peers or FSDP2 rows (the comparison is about memory too)
         "memory": bool(args.memory or peers or fsdp),
     }
+    check_fragments(specs, config)
+    return config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

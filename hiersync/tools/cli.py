@@ -66,4 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd_parser = argparse.ArgumentParser(prog=f"python -m hiersync {ns.command}", description=help_)
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[len(head) :])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, TypeError, ImportError) as err:  # a user's error names its fix: no traceback
+        if ns.verbose:
+            raise
+        print(f"{cmd_parser.prog}: error: {err} (-v for the traceback)", file=sys.stderr)
+        return 2
