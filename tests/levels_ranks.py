@@ -10,13 +10,19 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from ranks import Net, Reference, _flat, _write, batch, train
+from test_sparse_codec import reference_sparse
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hiersync
 from hiersync.levels import due
+from hiersync.quant import codec_for
+from hiersync.vocab import COMPRESS_CODES, WIRE_FORMATS
+
+BLOCK, KEEP = WIRE_FORMATS["topk2"].block, WIRE_FORMATS["topk2"].keep
 
 
 def _rack_group(topo: hiersync.Topology):
@@ -39,6 +45,30 @@ class ThreeLevelReference(Reference):
         self.levels = levels
         self.rack = _rack_group(topo)
         self.rack_size = dist.get_world_size(self.rack)
+        self.residual: np.ndarray | None = None
+
+    def average(self, params=None, anchor=None, mom=None):
+        """topk2 (blocking, one rank per node: a node's shard is its whole model, one layout):
+        the numpy reference of each node's sparse payload of delta + residual, summed in rail
+        order; anything else: the two-level reference's."""
+        if self.cfg.get("compress") != "topk2" or params is not None:
+            return super().average(params, anchor, mom)
+        assert self.L == 1, "one rank per node: the node's shard is its whole model"
+        x = _flat(self.m.parameters())
+        d = (x - self.anchor).numpy()
+        n = -(-d.size // BLOCK) * BLOCK
+        e = np.zeros(n, np.float32)
+        e[: d.size] = d + (self.residual if self.residual is not None else 0.0)
+        sent = reference_sparse(e, BLOCK, KEEP)
+        self.residual = (e - sent)[: d.size]
+        every = [torch.empty(n) for _ in range(self.W)]
+        dist.all_gather(every, torch.from_numpy(sent))
+        total = torch.zeros(n)
+        for j in range(self.W):  # rail order: node j is rank j here
+            total += every[j]
+        avg = self.anchor + (total / self.W)[: d.size]
+        self.anchor = avg.clone()
+        return avg
 
     def rack_average(self) -> None:
         params = list(self.m.parameters())
@@ -96,8 +126,13 @@ def three_level_check(cfg: dict) -> dict:
         fragments=cfg.get("fragments", 1),
         outer_lr=outer[0] if outer else None,
         outer_momentum=outer[1] if outer else 0.0,
+        compress=cfg.get("compress"),
     )
     levels = state.config.levels
+    # int8/int4: the reference sends fp32 deltas, so bound the codes' error; topk2's is exact
+    coded = state.config.compress in COMPRESS_CODES and state.config.compress != "topk2"
+    moved, before = 0.0, None
+    qmax = codec_for(state.config.compress).qmax if coded else 1
     ref = ThreeLevelReference(initial, cfg, topo, levels)
     rank, W = dist.get_rank(), dist.get_world_size()
     rack_of = [topo.rack_of(r) for r in range(W)]
@@ -130,9 +165,18 @@ def three_level_check(cfg: dict) -> dict:
             nodes_in_rack_differed |= any(
                 not torch.equal(everyone[r], mine) for r in same_rack if topo.node_of(r) != topo.node_of(rank)
             )
+        want = _flat(ref.m.parameters())
+        if coded:  # within a code's step (error feedback sends the rest later)
+            if before is not None and not names:  # a local step's movement, not a sync's jump
+                moved = max(moved, float((want - before).abs().max()))
+            before = want
+            # a code's step is a window's largest delta / qmax; with the residual, about one step apart
+            err, bound = float((mine - want).abs().max()), moved * cfg["period"] / qmax + 1e-6
+            assert err <= bound, f"step {step} ({kind}, levels due {names}): {err} > {bound}"
+            continue
         torch.testing.assert_close(
             mine,
-            _flat(ref.m.parameters()),
+            want,
             rtol=1e-5,
             atol=1e-6,
             msg=lambda m, step=step, kind=kind, names=names: f"step {step} ({kind}, levels due {names}): {m}",

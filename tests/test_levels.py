@@ -62,6 +62,12 @@ CASES = {
     "overlap + outer": dict(mode="overlap", period=6, rack_period=2, steps=9, outer=(0.7, 0.9)),
     "streaming + outer": dict(mode="stream", period=8, rack_period=3, fragments=2, tau=2, steps=12, outer=(0.7, 0.9)),
 }
+CODED = {  # the world's average coded, the rack's fp32 (topk2: a numpy reference; int4: within a code's step)
+    "blocking + topk2": dict(mode="blocking", period=6, rack_period=2, steps=13, compress="topk2"),
+    "streaming + int4 + outer": dict(
+        mode="stream", period=8, rack_period=3, fragments=2, tau=1, steps=12, outer=(0.7, 0.9), compress="int4"
+    ),
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -168,3 +174,13 @@ def test_plan_prints_the_three_levels(capsys):
     out = capsys.readouterr().out
     assert "Three levels: node -> rack (8 nodes) -> world (128 nodes)" in out
     assert "a rack level pays" in out and "rack_period=4" in out
+
+
+@pytest.mark.parametrize("layout", ["2 racks x 2 nodes x 1", "racks of non-contiguous nodes"])
+@pytest.mark.parametrize("case", list(CODED))
+def test_a_coded_world_over_fp32_racks_stays_near_the_reference(case, layout):
+    nodes, racks = LAYOUTS[layout]
+    res = launch(levels_ranks.three_level_check, nodes, dict(CODED[case], racks=racks))
+    r = res[0]
+    assert r["rack_steps"] and r["world_steps"] and all(x["synchronized"] for x in res)
+    assert r["bytes"].get("rack", 0) > 0 and r["racks_differed"] and r["nodes_in_rack_differed"]
