@@ -119,7 +119,6 @@ class ChunkStore:
         self.state_device = torch.device(state_device) if state_device is not None else None
         self.by_key: dict[tuple[int, ...], ChunkState] = {}
         self.loaded: list[dict[str, Any]] = []  # saved shards, bound when their chunk appears
-        self.per_param: dict[str, list] = {}  # an older checkpoint's state, by position (state_io)
 
     def local(self, i: int) -> torch.Tensor:
         """The tensor position ``i`` holds on this rank (the parameter itself here)."""
@@ -211,7 +210,7 @@ class ChunkStore:
     def release(self) -> None:
         """Forget the parameters and their state (the owner is closed)."""
         self.registry.clear()
-        self.by_key, self.loaded, self.per_param = {}, [], {}
+        self.by_key, self.loaded = {}, []
 
     def state(self) -> dict[str, Any]:  # a checkpoint: hiersync.state_io
         return state_io.shard_state(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +31,6 @@ __all__ = [
     "shard_state",
     "load_shards",
     "bind_loaded",
-    "load_per_param",
     "backup",
     "FORMAT",
 ]
@@ -39,7 +38,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT = "hiersync.HierState/2"
-_REQUIRED = ("step", "period", "warmup_steps", "world_size", "hook", "averager", "in_flight")
+_REQUIRED = ("step", "period", "warmup_steps", "world_size", "averager", "in_flight")
 _COUNTERS = ("steps", "exact_steps", "local_steps", "sync_steps", "nonfinite_skips", "nonfinite_sync_skips")
 
 
@@ -71,7 +70,6 @@ def save(state: SyncState) -> dict[str, Any]:
         "nodes": [list(n) for n in state.topology.nodes],
         "param_shapes": [tuple(p.shape) for p in state.registry.params],
         "model_positions": model_positions(state),
-        "hook": None,  # older versions: the sync in the hook's state, whole per parameter
         **engine,
         "levels": lower,
         "stats": state.stats.as_dict(),
@@ -134,10 +132,6 @@ def load(state: SyncState, state_dict: dict[str, Any]) -> None:
     # unchecked facts wait for the model (synchronize) or the first backward
     state._loaded = None if state.registry.params else loaded
     state.engine.load(state_dict["averager"], state_dict["in_flight"], state_dict.get("tally"))
-    if state_dict["hook"]:  # an older version's sync in DDP's hook: whole per parameter
-        load_per_param(
-            cast("ChunkStore", getattr(state.engine.averager, "base", state.engine.averager)), state_dict["hook"]
-        )
     saved_levels = state_dict.get("levels") or {}
     for lv in state.levels[:-1]:
         got = saved_levels.get(lv.level.name)
@@ -248,12 +242,6 @@ def load_shards(store: ChunkStore, state: dict[str, Any]) -> None:
     store.loaded = list(state.get("chunks") or [])
 
 
-def load_per_param(store: ChunkStore, saved: dict[str, list | None]) -> None:
-    """Anchor and momentum kept whole per registry position (a checkpoint of a hiersync whose sync
-    in the hook kept them so): each chunk takes its shard of them when it first appears."""
-    store.per_param = {key: v for key, v in saved.items() if key in ("anchor", "momentum") and v}
-
-
 def backup(c: ChunkState) -> Callable[[], None]:
     """Copy the state ``c`` keeps between syncs; the callable puts it back (a dropped window)."""
     saved = {key: getattr(c, key).clone() for key in KEPT if getattr(c, key) is not None}
@@ -281,7 +269,7 @@ def _loaded_outer(store: ChunkStore, v: Any, device: torch.device) -> Any:
 
 
 def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
-    """A chunk appears: take its saved shards (or its shard of an older per-parameter state)."""
+    """A chunk appears: take its saved shards."""
     device = store.device_of(c)
     for saved in store.loaded:
         if tuple(saved["indices"]) == c.indices:
@@ -298,14 +286,3 @@ def bind_loaded(store: ChunkStore, c: ChunkState) -> None:
             if saved.get("outer") is not None:  # a shard's buffers to its device; a step count stays on the host
                 c.outer = {k: _loaded_outer(store, v, device) for k, v in saved["outer"].items()}
             break
-    for key, whole in store.per_param.items():
-        if getattr(c, key) is not None or not all(i < len(whole) and whole[i] is not None for i in c.indices):
-            continue
-        for i in c.indices:
-            want = tuple(store.registry.params[i].shape)
-            if tuple(whole[i].shape) != want:
-                raise ValueError(
-                    f"hiersync state_dict {key}[{i}] has shape {tuple(whole[i].shape)} but the model's parameter "
-                    f"{i} (in DDP's initial bucket order) has shape {want}: the checkpoint is from a different model"
-                )
-        setattr(c, key, store.stored(store.shard_of(c, [whole[i].to(device) for i in c.indices])))

@@ -15,7 +15,6 @@ import types
 import pytest
 import torch
 
-from hiersync import state_io
 from hiersync.averagers import ReplicatedNodeAverager, ShardedNodeAverager
 from hiersync.collectives import HierComm
 from hiersync.futures import completed
@@ -311,25 +310,3 @@ def test_host_buffers_stay_while_syncs_follow_each_other_and_go_after_a_step_wit
     assert len(set(kept[1:])) == 1, "from the larger fragment's first sync on, one buffer serves both"
     engine.idle()
     assert not pool._free, "a step after which nothing syncs frees the idle buffers"
-
-
-def test_per_parameter_state_of_an_older_checkpoint_binds_as_each_chunks_shard():
-    """A checkpoint of the sync in the hook from before it ran on the engine kept anchor and
-    momentum whole per parameter: each chunk takes its rank's shard of them, and a wrong shape
-    is refused when the chunk first appears."""
-    cfg = dict(period=2, fragments=1, tau=0, outer_lr=0.7, mu=0.9)
-    anchor = [torch.full((n,), float(i + 1)) for i, n in enumerate(SIZES)]
-    engine = _engine("replicated", cfg, _params())
-    avg = engine.averager
-    avg.split, avg.index = 2, 1  # local rank 1 of a node of 2
-    state_io.load_per_param(avg, {"anchor": anchor, "momentum": [a + 10 for a in anchor]})
-    (_, idx), *_ = engine.chunks([0])
-    c = avg.chunk(idx)
-    flat = torch.cat([anchor[i] for i in idx])
-    mine = c.n - c.s  # the values of the second half (the rest is padding)
-    assert c.s < c.n and torch.equal(c.anchor[:mine], flat[c.s :]) and not c.anchor[mine:].any()
-    assert torch.equal(c.momentum[:mine], flat[c.s :] + 10) and not c.momentum[mine:].any()
-    other = _engine("replicated", cfg, _params())
-    state_io.load_per_param(other.averager, {"anchor": [torch.zeros(n + 1) for n in SIZES]})
-    with pytest.raises(ValueError, match="different model"):
-        other.capture_anchor()
