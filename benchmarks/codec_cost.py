@@ -6,12 +6,13 @@ encoded and decoded as a sync does it: int8's quantize pass gives this machine's
 encode with error feedback and the decode of N payloads into the dense sum are timed, and
 :func:`hiersync.costmodel.compression.quantize_seconds` at that rate is printed beside them.
 
-    python benchmarks/codec_cost.py [--values 3250000] [--nodes 2,4] [--repeats 5]
+    python benchmarks/codec_cost.py [--values 3250000] [--nodes 2,4] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import types
 
@@ -22,29 +23,24 @@ from hiersync.futures import completed, wait
 from hiersync.quant import BlockCodec, codec_for
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--values", type=int, default=3_250_000)
     parser.add_argument("--nodes", default="2,4")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.manual_seed(0)
     codec = codec_for("topk2")
     n = codec.padded(args.values)
     x = torch.randn(n)
     int8 = BlockCodec(8)
-    quant_s = best(lambda: int8.encode(x), args.repeats)
-    gbps = n * 4 / quant_s / 1e9
-    print(f"{n:,} values; int8 quantize pass {quant_s * 1e3:.1f} ms: quant_gbps {gbps:.2f} GB/s on this host")
+    print(f"{n:,} values; each repeat times int8's quantize pass (this host's quant_gbps) and then topk2's average")
     for N in (int(v) for v in args.nodes.split(",")):
         others = [codec.encode(torch.randn(n)) for _ in range(N - 1)]
         comm = types.SimpleNamespace(
@@ -56,10 +52,17 @@ def main() -> None:
         )
         site = types.SimpleNamespace(comm=comm, stored=lambda t: t, here=lambda t, device: t)
         kept = types.SimpleNamespace(residual=torch.randn(n), reduced_residual=None)
-        measured = best(lambda s=site, k=kept: wait(codec.average(s, x.clone(), n, k)), args.repeats)
-        predicted = quantize_seconds(n, N, _profile(gbps), "topk2")  # type: ignore[arg-type]
-        ratio = predicted / measured
-        print(f"topk2, {N} nodes: measured {measured * 1e3:.1f} ms, priced {predicted * 1e3:.1f} ms ({ratio:.2f}x)")
+        ratios, measured = [], []
+        for _ in range(args.repeats):  # paired: the rate and the cost measured back to back
+            gbps = n * 4 / timed(lambda: int8.encode(x)) / 1e9
+            took = timed(lambda s=site, k=kept: wait(codec.average(s, x.clone(), n, k)))
+            ratios.append(quantize_seconds(n, N, _profile(gbps), "topk2") / took)  # type: ignore[arg-type]
+            measured.append(took)
+        r = statistics.quantiles(ratios, n=4)
+        print(
+            f"topk2, {N} nodes: measured {statistics.median(measured) * 1e3:.1f} ms (median of {args.repeats}); "
+            f"priced / measured, paired: median {statistics.median(ratios):.2f}x (quartiles {r[0]:.2f}-{r[2]:.2f}x)"
+        )
 
 
 def _profile(gbps: float) -> types.SimpleNamespace:

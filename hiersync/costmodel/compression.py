@@ -56,9 +56,10 @@ SPARSE_PASSES = 3.3
 """A sparse payload's encode with error feedback, in passes over the shard at ``quant_gbps``: the
 magnitudes, each block's largest (``torch.topk``, most of it), their codes, the residual's update.
 Fitted on a 2-core CPU at 3.25M values (one rank's shard of a 25 MB model at 2 ranks a node),
-where int8's quantize pass sets ``quant_gbps``: ``python benchmarks/codec_cost.py --repeats 9``
-prices 0.68x to 1.22x of what it measures over four runs at 2 and 4 nodes (the box's noise: the
-same encode took 17 to 31 ms). A GPU's ``topk`` costs differently, not measured."""
+where int8's quantize pass sets ``quant_gbps``: ``python benchmarks/codec_cost.py`` (each of 15
+repeats times that pass and the sparse average back to back) prices a median 0.86x to 1.11x of
+what it measures over two runs at 2 and 4 nodes, quartiles 0.60x to 1.75x (the box's noise).
+A GPU's ``topk`` costs differently, not measured."""
 SPARSE_DECODE_PASSES = 0.05
 """Passes over the shard per node's payload decoded into the dense sum (a scatter of k values a block)."""
 DEFAULT_QUANT_GBPS = 100.0
