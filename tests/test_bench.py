@@ -1176,3 +1176,6 @@ def test_a_stream_with_more_fragments_than_tensors_is_refused_before_any_rank_st
         _config(["--schedules", "ddp,hiersync_p16_stream_topk2"])
     with pytest.raises(ValueError, match="2 parameter tensors"):
         _config(["--schedules", "hiersync_p4_stream", "--mlp-depth", "1"])
+    # the transformer is counted too, with accel compute named first (it builds the mlp only)
+    both = ["--models", "mlp,transformer", "--compute", "accel,cpu", "--schedules", "hiersync_p4_stream"]
+    assert _config(both)["models"] == ["mlp", "transformer"]

@@ -201,13 +201,14 @@ def run_bench(
 
 def check_fragments(specs: Sequence[ScheduleSpec], config: dict) -> None:
     """``ValueError`` before any rank starts when a streaming row has more fragments than a model
-    has parameter tensors (a fragment holds whole tensors); the models are built on the meta device."""
+    has parameter tensors (a fragment holds whole tensors); the models are built on the meta device,
+    with real CPU layers (the accel model's layers hold the same tensors, and it builds the mlp only)."""
     import torch
 
     streaming = [sp for sp in specs if sp.fragments > 1]
     for name in config["models"] if streaming else ():
         with torch.device("meta"):
-            tensors = len(list(build_model(name, config, config["compute"][0])[0].parameters()))
+            tensors = len(list(build_model(name, config, "cpu")[0].parameters()))
         for sp in streaming:
             if sp.fragments > tensors:
                 raise ValueError(
