@@ -145,13 +145,8 @@ class ChunkStore:
     def device_of(self, c: ChunkState) -> torch.device:
         return self.local(c.indices[0]).device
 
-    def shard_of(
-        self, c: ChunkState, source: Sequence[torch.Tensor] | None = None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """This rank's shard of the chunk as an fp32 vector (zero padding at the end): ``out``, or new.
-
-        ``source``: per-parameter tensors to read (default: the parameters themselves).
-        """
+    def shard_of(self, c: ChunkState, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard of the chunk's parameters as an fp32 vector (zero padding at the end): ``out``, or new."""
         lo, hi = c.lo, min(c.lo + c.s, c.n)
         if out is None:
             out = torch.empty(c.s, dtype=torch.float32, device=self.device_of(c))
@@ -159,7 +154,7 @@ class ChunkStore:
         for j, i in enumerate(c.indices):
             a, b = max(c.offsets[j], lo), min(c.offsets[j + 1], hi)
             if a < b:
-                t = (source[j] if source is not None else self.local(i)).detach().reshape(-1)
+                t = self.local(i).detach().reshape(-1)
                 out[a - lo : b - lo].copy_(t[a - c.offsets[j] : b - c.offsets[j]])
         return out
 
